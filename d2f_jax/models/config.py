@@ -1,0 +1,143 @@
+"""Static model configuration shared by LLaDA, Dream and the causal AR baseline.
+
+The config is a frozen (hashable) dataclass so it can be a static argument of jitted
+functions: changing it recompiles, changing parameters or inputs does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+Family = Literal["llada", "dream", "custom"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of one pre-norm transformer (LLaDA / Dream / Qwen2-style)."""
+
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  # Dream predicts token i from output row i - 1 (row 0 reused for position 0).
+  logit_shift: bool = False
+  mask_token_id: int = 0
+  eos_token_id: int = 1
+  pad_token_id: int = 1
+  bos_token_id: int | None = None
+  # End-of-turn token that also stops chat generation (LLaDA <|eot_id|>, Dream <|im_end|>).
+  eot_token_id: int | None = None
+  family: Family = "custom"
+  dtype: str = "float32"  # activation / compute dtype
+  param_dtype: str = "float32"  # storage dtype of the weights
+
+  def __post_init__(self):
+    for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even for half-split RoPE, got {self.head_dim}")
+    for field in ("dtype", "param_dtype"):
+      try:
+        jnp.dtype(getattr(self, field))
+      except TypeError as e:
+        raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not a dtype name") from e
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per KV head (GQA)."""
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
+LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the projections named by `targets` (our names, see LORA_TARGETS).
+
+  The update is `scale * A @ B` with `scale = alpha / rank` (or `alpha / sqrt(rank)` with rsLoRA),
+  exactly as PEFT computes it, so adapters convert both ways without rescaling.
+  """
+
+  rank: int = 32
+  alpha: float = 32.0
+  dropout: float = 0.0
+  targets: tuple[str, ...] = ("q", "k", "v", "o")
+  use_rslora: bool = False
+
+  def __post_init__(self):
+    if self.rank <= 0:
+      raise ValueError(f"LoraConfig.rank must be positive, got {self.rank}")
+    unknown = [t for t in self.targets if t not in LORA_TARGETS]
+    if unknown or not self.targets:
+      raise ValueError(f"LoraConfig.targets must be a non-empty subset of {LORA_TARGETS}, got {self.targets}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (self.rank ** 0.5 if self.use_rslora else self.rank)
+
+
+# --- presets -----------------------------------------------------------------------------------
+
+LLADA_8B = ModelConfig(
+    vocab_size=126464, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+    mlp_dim=12288, rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
+    logit_shift=False, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
+    bos_token_id=126080, eot_token_id=126348, family="llada", dtype="bfloat16", param_dtype="bfloat16")
+
+DREAM_7B = ModelConfig(
+    vocab_size=152064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+    mlp_dim=18944, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, tie_embeddings=False,
+    logit_shift=True, mask_token_id=151666, eos_token_id=151643, pad_token_id=151643,
+    bos_token_id=None, eot_token_id=151645, family="dream", dtype="bfloat16", param_dtype="bfloat16")
+
+# Tiny variants keep each family's quirks (bias, GQA, shift, norm eps) at test size.
+TINY_LLADA = ModelConfig(
+    vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=160,
+    rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, logit_shift=False, mask_token_id=500,
+    eos_token_id=501, pad_token_id=501, bos_token_id=502, eot_token_id=503, family="llada")
+
+TINY_DREAM = ModelConfig(
+    vocab_size=512, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, mlp_dim=160,
+    rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, logit_shift=True, mask_token_id=500,
+    eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=503, family="dream")
+
+PRESETS: dict[str, ModelConfig] = {
+    "llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny-llada": TINY_LLADA, "tiny-dream": TINY_DREAM,
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  """A named preset with optional field overrides, e.g. `preset("tiny-dream", dtype="bfloat16")`."""
+  if name not in PRESETS:
+    raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides)

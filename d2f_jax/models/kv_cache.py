@@ -1,0 +1,51 @@
+"""Static-size per-layer KV cache for incremental (windowed) decoding.
+
+Fixed shapes keep the decode loop a single compiled program: rows fill at their own speed, tracked by
+`length`, and every slot carries the attention id it was written with (PAD_ID when empty), so the
+attention rule needs no separate validity mask.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.models.attention import PAD_ID
+from d2f_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: jax.Array  # [L, B, S, K, D]
+  v: jax.Array  # [L, B, S, K, D]
+  ids: jax.Array  # [B, S] int32 attention ids of the cached tokens, PAD_ID for empty slots
+  length: jax.Array  # [B] int32, slots [0, length) are written
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    dtype = config.compute_dtype if dtype is None else dtype
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               ids=jnp.full((batch, max_len), PAD_ID, jnp.int32), length=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.ids.shape[1]
+
+  def write(self, k_new: jax.Array, v_new: jax.Array, ids_new: jax.Array, count: jax.Array) -> "KVCache":
+    """Append the first `count[b]` window tokens of each row at slot `length[b]`.
+
+    k_new, v_new: [L, B, T, K, D]; ids_new: [B, T]; count: [B] int32 in [0, T].
+    Slots past the capacity are dropped rather than wrapped (the caller sizes the cache).
+    """
+    window = ids_new.shape[1]
+    offsets = jnp.arange(window, dtype=jnp.int32)
+    slots = self.length[:, None] + offsets[None, :]  # [B, T]
+    slots = jnp.where(offsets[None, :] < count[:, None], slots, self.max_len)  # out of range -> dropped
+    rows = jnp.arange(slots.shape[0])[:, None]
+    k = self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop")
+    v = self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop")
+    ids = self.ids.at[rows, slots].set(ids_new, mode="drop")
+    length = jnp.minimum(self.length + count, self.max_len)
+    return self.replace(k=k, v=v, ids=ids, length=length)

@@ -1,0 +1,191 @@
+"""One pre-norm transformer family for LLaDA, Dream (Qwen2 layout) and the causal AR baseline.
+
+Layer weights are stacked on a leading `layers` axis and applied with `lax.scan`: compile time does not
+grow with depth, and the KV cache scans along with them. Every parameter carries logical axis names
+(embed, heads, kv_heads, head_dim, mlp, vocab, layers, lora_rank) for sharding rules.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from d2f_jax.models import layers as L
+from d2f_jax.models.attention import attention_reference
+from d2f_jax.models.config import LoraConfig, ModelConfig
+from d2f_jax.models.kv_cache import KVCache
+
+# Our weight name -> (logical axes after the layers axis, LoRA a-axes, LoRA b-axes)
+_PROJ_AXES = {
+    "q": (("embed", "heads", "head_dim"), 1, 2),
+    "k": (("embed", "kv_heads", "head_dim"), 1, 2),
+    "v": (("embed", "kv_heads", "head_dim"), 1, 2),
+    "o": (("heads", "head_dim", "embed"), 2, 1),
+    "gate": (("embed", "mlp"), 1, 1),
+    "up": (("embed", "mlp"), 1, 1),
+    "down": (("mlp", "embed"), 1, 1),
+}
+
+
+def _param(value, axes, kind=nnx.Param):
+  return kind(value, out_sharding=axes, eager_sharding=False)
+
+
+class StackedLayers(nnx.Module):
+  """All decoder layers' weights, stacked [L, ...]."""
+
+  def __init__(self, config: ModelConfig, lora: LoraConfig | None, *, rngs: nnx.Rngs):
+    c = config
+    self.config = config
+    self.lora = lora
+    pdt = c.weight_dtype
+    shapes = {
+        "q": (c.embed_dim, c.num_heads, c.head_dim),
+        "k": (c.embed_dim, c.num_kv_heads, c.head_dim),
+        "v": (c.embed_dim, c.num_kv_heads, c.head_dim),
+        "o": (c.num_heads, c.head_dim, c.embed_dim),
+        "gate": (c.embed_dim, c.mlp_dim),
+        "up": (c.embed_dim, c.mlp_dim),
+        "down": (c.mlp_dim, c.embed_dim),
+    }
+    nl = c.num_layers
+    self.attn_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
+    self.mlp_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
+    for name, shape in shapes.items():
+      fan_in = c.num_heads * c.head_dim if name == "o" else shape[0]
+      init = jax.random.normal(rngs.params(), (nl, *shape), jnp.float32) * fan_in ** -0.5
+      setattr(self, name, _param(init.astype(pdt), ("layers", *_PROJ_AXES[name][0])))
+    if c.qkv_bias:
+      self.q_bias = _param(jnp.zeros((nl, c.num_heads, c.head_dim), pdt), ("layers", "heads", "head_dim"))
+      self.k_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
+      self.v_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
+    if lora is not None:
+      for name in lora.targets:
+        axes, n_in, n_out = _PROJ_AXES[name]
+        in_shape, out_shape = shapes[name][:n_in], shapes[name][n_in:]
+        fan_in = 1
+        for d in in_shape:
+          fan_in *= d
+        # PEFT's default: A ~ kaiming-uniform-ish, B = 0, so a fresh adapter is the identity update.
+        a = jax.random.uniform(rngs.params(), (nl, *in_shape, lora.rank), jnp.float32, -1.0, 1.0)
+        a = a * (3.0 / fan_in) ** 0.5
+        setattr(self, f"{name}_lora_a",
+                _param(a.astype(pdt), ("layers", *axes[:n_in], "lora_rank"), nnx.LoRAParam))
+        setattr(self, f"{name}_lora_b",
+                _param(jnp.zeros((nl, lora.rank, *out_shape), pdt), ("layers", "lora_rank", *axes[n_in:]),
+                       nnx.LoRAParam))
+
+  def weights(self) -> dict[str, jax.Array]:
+    """The stacked arrays as a plain dict, the scan's `xs`."""
+    return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Variable)}
+
+
+def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, dropout_key) -> jax.Array:
+  """x @ W (+ scale * dropout(x) @ A @ B when `name` has an adapter). Spec strings name every axis."""
+  spec = {"q": "bte,ehd->bthd", "k": "bte,ehd->bthd", "v": "bte,ehd->bthd", "o": "bthd,hde->bte",
+          "gate": "bte,ef->btf", "up": "bte,ef->btf", "down": "btf,fe->bte"}[name]
+  out = jnp.einsum(spec, x, w[name].astype(dtype))
+  if lora is not None and name in lora.targets:
+    lhs, rhs = spec.split("->")
+    x_axes, w_axes = lhs.split(",")
+    in_axes = x_axes[2:]
+    a_spec = f"{x_axes},{in_axes}r->btr"
+    b_spec = f"btr,r{rhs[2:]}->{rhs}"
+    xd = x
+    if dropout_key is not None and lora.dropout > 0.0:
+      keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
+      xd = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
+    low = jnp.einsum(a_spec, xd, w[f"{name}_lora_a"].astype(dtype))
+    out = out + lora.scale * jnp.einsum(b_spec, low, w[f"{name}_lora_b"].astype(dtype))
+  return out
+
+
+def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, dropout_key):
+  """One pre-norm block. x: [B, T, E]. Returns (x, (k, v)) with this window's k, v: [B, T, K, D]."""
+  dtype = config.compute_dtype
+  keys = [None] * 7 if dropout_key is None else list(jax.random.split(dropout_key, 7))
+  h = L.rms_norm(x, w["attn_norm"], config.norm_eps)
+  q = _project("q", h, w, lora, dtype, keys[0])  # [B, T, H, D]
+  k = _project("k", h, w, lora, dtype, keys[1])  # [B, T, K, D]
+  v = _project("v", h, w, lora, dtype, keys[2])
+  if config.qkv_bias:
+    q, k, v = q + w["q_bias"].astype(dtype), k + w["k_bias"].astype(dtype), v + w["v_bias"].astype(dtype)
+  q = L.rope(q, positions, config.rope_theta)
+  k = L.rope(k, positions, config.rope_theta)
+  if cache_kv is None:
+    k_all, v_all = k, v
+  else:
+    cache_k, cache_v = cache_kv  # [B, S, K, D]
+    k_all = jnp.concatenate([cache_k.astype(dtype), k], axis=1)  # [B, S + T, K, D]
+    v_all = jnp.concatenate([cache_v.astype(dtype), v], axis=1)
+  attn = attention_reference(q, k_all, v_all, q_ids, kv_ids)  # [B, T, H, D]
+  x = x + _project("o", attn, w, lora, dtype, keys[3])
+  h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
+  gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
+  x = x + _project("down", gated, w, lora, dtype, keys[6])
+  return x, (k, v)
+
+
+class Transformer(nnx.Module):
+  """Token ids + positions + attention ids -> logits (and this window's K/V for the cache)."""
+
+  def __init__(self, config: ModelConfig, lora: LoraConfig | None = None, *, rngs: nnx.Rngs):
+    self.config = config
+    self.lora = lora
+    c = config
+    pdt = c.weight_dtype
+    emb = jax.random.normal(rngs.params(), (c.vocab_size, c.embed_dim), jnp.float32) * 0.02
+    self.embedding = _param(emb.astype(pdt), ("vocab", "embed"))
+    self.layers = StackedLayers(config, lora, rngs=rngs)
+    self.final_norm = _param(jnp.ones((c.embed_dim,), pdt), ("embed",))
+    if not c.tie_embeddings:
+      head = jax.random.normal(rngs.params(), (c.embed_dim, c.vocab_size), jnp.float32) * c.embed_dim ** -0.5
+      self.lm_head = _param(head.astype(pdt), ("embed", "vocab"))
+
+  def hidden_states(self, tokens, positions, ids, cache: KVCache | None = None, *, dropout_key=None):
+    """Final-normed hidden states [B, T, E] and the window's K/V stacked [L, B, T, K, D]."""
+    c = self.config
+    x = self.embedding[...].astype(c.compute_dtype)[tokens]  # [B, T, E]
+    if cache is None:
+      kv_ids = ids
+    else:
+      kv_ids = jnp.concatenate([cache.ids, ids], axis=1)  # [B, S + T]
+    weights = self.layers.weights()
+    layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
+    body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids)
+
+    def step(x, xs):
+      w, cache_kv, key = xs
+      return body(x, w, cache_kv=cache_kv, dropout_key=key)
+
+    cache_kv = None if cache is None else (cache.k, cache.v)
+    x, (k, v) = jax.lax.scan(step, x, (weights, cache_kv, layer_keys))
+    return L.rms_norm(x, self.final_norm[...], c.norm_eps), (k, v)
+
+  def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+    """Raw logits [B, T, V] in fp32 (row i is the model's output at position i, before any Dream shift)."""
+    c = self.config
+    head = self.embedding[...].T if c.tie_embeddings else self.lm_head[...]  # [E, V]
+    return jnp.einsum("bte,ev->btv", hidden, head.astype(c.compute_dtype), preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, ids, cache: KVCache | None = None, *, dropout_key=None):
+    hidden, kv = self.hidden_states(tokens, positions, ids, cache, dropout_key=dropout_key)
+    return self.logits_from_hidden(hidden), kv
+
+
+def align_logits(logits: jax.Array, config: ModelConfig, previous: jax.Array | None = None,
+                 valid: jax.Array | None = None) -> jax.Array:
+  """Row i predicts token i. For Dream (logit_shift) row i takes output i-1; the first row takes `previous`
+  (the output of the token before the window, e.g. the last cached position) or, without it, its own output.
+  With left padding (`valid` [B, T]) the first valid row of each sequence keeps its own output."""
+  if not config.logit_shift:
+    return logits
+  first = logits[:, :1] if previous is None else previous[:, None].astype(logits.dtype)
+  shifted = jnp.concatenate([first, logits[:, :-1]], axis=1)
+  if valid is not None and previous is None:
+    is_first = valid & (jnp.cumsum(valid.astype(jnp.int32), axis=1) == 1)  # [B, T]
+    shifted = jnp.where(is_first[..., None], logits, shifted)
+  return shifted

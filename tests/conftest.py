@@ -1,0 +1,12 @@
+"""Suite-wide JAX settings: CPU, fast compiles, fp32 matmuls at full precision."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+# Tiny models: optimisation passes cost more compile time than they save at run time.
+jax.config.update("jax_disable_most_optimizations", True)
