@@ -1,0 +1,152 @@
+"""`d2f_jax.load_model`: one call from a Hugging Face or converted directory to a ready model.
+
+The returned `LoadedModel` keeps the model split into a static graph and a parameter state, the form
+every jitted entry point (decoders, trainer) takes, plus the tokenizer found in the same directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from d2f_jax.models import LoraConfig, ModelConfig, Transformer, logits_for_mode
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  config: ModelConfig
+  graphdef: Any  # nnx.GraphDef: static, hashable
+  state: Any  # nnx.State: parameters (and LoRA parameters, when kept separate)
+  tokenizer: Any = None
+  lora: LoraConfig | None = None
+  source: str = ""
+
+  @property
+  def module(self) -> Transformer:
+    return nnx.merge(self.graphdef, self.state)
+
+  def logits(self, token_ids, *, attention_mask=None, mode: str = "bidirectional", prompt_len=None,
+             block_size: int | None = None, align: bool = True) -> jax.Array:
+    """Logits [B, T, V] (fp32) for token ids [B, T] under an attention mode.
+
+    attention_mask [B, T] marks real tokens (left padding = 0); positions follow it. `align=True` applies
+    Dream's logit shift so that row i predicts token i for every family; rows of padding are zero.
+    """
+    tokens = jnp.asarray(token_ids, jnp.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"token_ids must be [batch, length], got shape {tokens.shape}")
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(tokens)
+    attention_mask = jnp.asarray(attention_mask, jnp.int32)
+    if attention_mask.shape != tokens.shape:
+      raise ValueError(f"attention_mask shape {attention_mask.shape} != token_ids shape {tokens.shape}")
+    if int(tokens.max()) >= self.config.vocab_size or int(tokens.min()) < 0:
+      raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got range "
+                       f"[{int(tokens.min())}, {int(tokens.max())}]")
+    return logits_for_mode(self.graphdef, self.state, tokens, attention_mask, mode=mode,
+                           prompt_len=prompt_len, block_size=block_size, align=align)
+
+  def encode(self, text: str, *, chat: bool = False) -> list[int]:
+    """Token ids of `text` (as one user turn with the chat template when `chat`)."""
+    if self.tokenizer is None:
+      raise ValueError(f"no tokenizer was found in {self.source!r} (looked for {', '.join(TOKENIZER_FILES)})")
+    if chat:
+      return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+  def decode(self, ids: Sequence[int]) -> str:
+    if self.tokenizer is None:
+      raise ValueError(f"no tokenizer was found in {self.source!r}")
+    return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def model_from_params(config: ModelConfig, params: dict, lora: LoraConfig | None = None,
+                      lora_params: dict | None = None) -> tuple[Any, Any]:
+  """(graphdef, state) of a Transformer holding `params` (pure nested dict in our layout), without
+  materialising a random initialisation first. Shapes are checked leaf by leaf."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  values = {**params, "layers": {**params.get("layers", {}), **((lora_params or {}).get("layers", {}))}}
+  expected = dict(nnx.to_flat_state(state))
+  given = dict(_flatten(values))
+  missing = sorted(".".join(map(str, p)) for p in expected if p not in given)
+  extra = sorted(".".join(map(str, p)) for p in given if p not in expected)
+  if missing or extra:
+    raise ValueError(f"parameters do not fit the model: missing {missing or 'none'}, unexpected {extra or 'none'}")
+  for path, var in expected.items():
+    value = given[path]
+    if tuple(value.shape) != tuple(var.shape):
+      raise ValueError(f"parameter {'.'.join(map(str, path))} has shape {tuple(value.shape)}, "
+                       f"expected {tuple(var.shape)}")
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: jnp.asarray(v, config.weight_dtype)
+                                          if np.issubdtype(np.asarray(v).dtype, np.floating) or
+                                          str(np.asarray(v).dtype) == "bfloat16" else jnp.asarray(v), values))
+  return graphdef, state
+
+
+def _flatten(tree: dict, prefix: tuple = ()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flatten(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def load_tokenizer(path: str):
+  """The HF tokenizer saved in `path`, read locally only; None when the directory has none.
+
+  With a `tokenizer.json` (LLaDA and Dream both ship one) the fast tokenizer is built directly, so
+  Dream's remote-code tokenizer class is never imported or executed.
+  """
+  if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    return None
+  import transformers  # heavy; only when a tokenizer is present
+  try:
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+      return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+  except Exception as e:  # surface which directory failed and why, not a hub lookup trace
+    raise ValueError(f"could not load the tokenizer in {path!r}: {e}") from e
+
+
+def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
+               allow_pickle: bool = False, progress: bool = False) -> LoadedModel:
+  """Load a model from a Hugging Face directory (config.json + safetensors) or a converted directory.
+
+  dtype: storage and compute dtype ('bfloat16', 'float32'); default keeps the checkpoint's.
+  lora_dir: a PEFT adapter directory, merged into the weights (`merge_lora`) or kept as separate LoRA
+  parameters (the form the trainer continues from).
+  """
+  from d2f_jax import convert
+
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"model directory {path!r} does not exist")
+  lora_cfg = lora_params = None
+  if convert.is_converted_dir(path):
+    config, params, lora_cfg, lora_params = convert.restore_converted(path, dtype=dtype)
+  elif os.path.exists(os.path.join(path, "config.json")):
+    config, params = convert.load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+  else:
+    raise FileNotFoundError(f"{path!r} holds neither a converted model (d2f_model.json) nor a Hugging Face "
+                            "checkpoint (config.json)")
+  if lora_dir is not None:
+    if lora_cfg is not None:
+      raise ValueError(f"{path!r} already carries a LoRA adapter; merge it before adding {lora_dir!r}")
+    lora_cfg, lora_params = convert.read_peft_adapter(lora_dir, config)
+    if merge_lora:
+      params = convert.merge_lora(params, lora_cfg, lora_params, config, inplace=True)
+      lora_cfg = lora_params = None
+  graphdef, state = model_from_params(config, params, lora_cfg, lora_params)
+  return LoadedModel(config=config, graphdef=graphdef, state=state, tokenizer=load_tokenizer(path),
+                     lora=lora_cfg, source=path)
