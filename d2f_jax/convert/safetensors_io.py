@@ -1,0 +1,323 @@
+"""A small streaming safetensors reader / writer of our own.
+
+Format: 8-byte little-endian header length N, N bytes of JSON header
+({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}), then raw
+little-endian tensor bytes. Tensors are read one at a time with seek + readinto into a buffer the caller
+may preallocate, never by mapping the whole file: mapped pages would count in the converter's RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class SafetensorsError(ValueError):
+  """A safetensors file or index that cannot be read as such."""
+
+
+def dtype_code(dtype) -> str:
+  dtype = np.dtype(dtype)
+  if dtype not in _CODES:
+    raise SafetensorsError(f"dtype {dtype} has no safetensors code; supported: {sorted(map(str, _CODES))}")
+  return _CODES[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """Where one tensor's bytes live: absolute byte range [start, end) of `path`."""
+  name: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  path: str
+  start: int
+  end: int
+
+  @property
+  def nbytes(self) -> int:
+    return self.end - self.start
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+  """Tensor infos (in file order) and the `__metadata__` of one safetensors file, validated."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"safetensors file {path!r} does not exist")
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) < 8:
+      raise SafetensorsError(f"{path}: file is {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+      raise SafetensorsError(f"{path}: header length {n} does not fit the file of {size} bytes (corrupt header)")
+    try:
+      header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise SafetensorsError(f"{path}: header is not valid JSON ({e}) (corrupt header)") from e
+  if not isinstance(header, dict):
+    raise SafetensorsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+  metadata = header.pop("__metadata__", None) or {}
+  base, data_size = 8 + n, size - 8 - n
+  infos = {}
+  for name, entry in header.items():
+    try:
+      code, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError) as e:
+      raise SafetensorsError(f"{path}: header entry for tensor {name!r} is malformed: {entry!r}") from e
+    if code not in DTYPES:
+      raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {code!r}; supported: {sorted(DTYPES)}")
+    dtype = DTYPES[code]
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not 0 <= begin <= end <= data_size or end - begin != expected:
+      raise SafetensorsError(
+          f"{path}: tensor {name!r} ({code}, shape {list(shape)}) has byte range [{begin}, {end}) but needs "
+          f"{expected} bytes inside a data section of {data_size} bytes (corrupt header or truncated file)")
+    infos[name] = TensorInfo(name, dtype, shape, path, base + begin, base + end)
+  return dict(sorted(infos.items(), key=lambda kv: kv[1].start)), metadata
+
+
+def _readinto_exact(f, buf: memoryview, info: TensorInfo) -> None:
+  done = 0
+  while done < len(buf):
+    got = f.readinto(buf[done:])
+    if not got:
+      raise SafetensorsError(f"{info.path}: unexpected end of file while reading tensor {info.name!r}")
+    done += got
+
+
+class CheckpointReader:
+  """All tensors of a checkpoint directory or file: one file, or shards named by a `*.safetensors.index.json`.
+
+  `read(name)` returns one tensor (optionally a row range of it) and keeps one open handle per file.
+  """
+
+  def __init__(self, path: str):
+    path = os.fspath(path)
+    self.root = path
+    self.infos: dict[str, TensorInfo] = {}
+    self.metadata: dict[str, str] = {}
+    self._handles: dict[str, object] = {}
+    if os.path.isfile(path):
+      self.infos, self.metadata = read_header(path)
+      return
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    files = find_safetensors(path)
+    if files is None:
+      raise FileNotFoundError(f"no safetensors weights in {path!r} (looked for {SINGLE_FILE}, *{INDEX_SUFFIX}, "
+                              "*.safetensors)")
+    index_file, shard_files = files
+    weight_map = _read_index(index_file) if index_file else None
+    for shard in shard_files:
+      infos, metadata = read_header(shard)
+      self.metadata.update(metadata)
+      for name, info in infos.items():
+        if name in self.infos:
+          raise SafetensorsError(f"tensor {name!r} appears in both {self.infos[name].path} and {shard}")
+        if weight_map is not None and weight_map.get(name) != os.path.basename(shard):
+          raise SafetensorsError(f"{index_file}: tensor {name!r} is in {os.path.basename(shard)} but the index "
+                                 f"maps it to {weight_map.get(name)!r}")
+        self.infos[name] = info
+    if weight_map is not None:
+      for name, shard in weight_map.items():
+        if name not in self.infos:
+          raise SafetensorsError(f"{index_file}: tensor {name!r} is listed for {shard} but absent from that file")
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.infos
+
+  def names(self) -> list[str]:
+    return list(self.infos)
+
+  def read(self, name: str, out: np.ndarray | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """Tensor `name` (or its leading-axis slice rows=(start, stop)) read into `out` or a new array."""
+    if name not in self.infos:
+      raise KeyError(f"tensor {name!r} is not in checkpoint {self.root!r}")
+    info = self.infos[name]
+    shape, start = info.shape, info.start
+    if rows is not None:
+      lo, hi = rows
+      if not shape or not 0 <= lo <= hi <= shape[0]:
+        raise ValueError(f"rows {rows} out of range for tensor {name!r} of shape {list(shape)}")
+      row_bytes = info.nbytes // shape[0] if shape[0] else 0
+      shape, start = (hi - lo,) + shape[1:], start + lo * row_bytes
+    if out is None:
+      out = np.empty(shape, info.dtype)
+    if out.shape != shape or out.dtype != info.dtype or not out.flags.c_contiguous:
+      raise ValueError(f"buffer for tensor {name!r} must be C-contiguous {info.dtype} {shape}, got "
+                       f"{out.dtype} {out.shape}")
+    f = self._handles.get(info.path)
+    if f is None:
+      f = self._handles[info.path] = open(info.path, "rb", buffering=0)
+    f.seek(start)
+    _readinto_exact(f, memoryview(out.reshape(-1).view(np.uint8)), info)
+    return out
+
+  def close(self) -> None:
+    for f in self._handles.values():
+      f.close()
+    self._handles.clear()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def find_safetensors(directory: str) -> tuple[str | None, list[str]] | None:
+  """(index file or None, shard files) of a directory, or None when it holds no safetensors weights."""
+  entries = sorted(os.listdir(directory))
+  indexes = [e for e in entries if e.endswith(INDEX_SUFFIX)]
+  if SINGLE_FILE in entries and not indexes:
+    return None, [os.path.join(directory, SINGLE_FILE)]
+  if indexes:
+    preferred = f"model{INDEX_SUFFIX}"
+    index = os.path.join(directory, preferred if preferred in indexes else indexes[0])
+    shards = sorted(set(_read_index(index).values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+    if missing:
+      raise FileNotFoundError(f"{index} names shard file(s) {missing} that do not exist in {directory}")
+    return index, [os.path.join(directory, s) for s in shards]
+  files = [os.path.join(directory, e) for e in entries if e.endswith(".safetensors")]
+  return (None, files) if files else None
+
+
+def _read_index(index_file: str) -> dict[str, str]:
+  try:
+    with open(index_file) as f:
+      index = json.load(f)
+    weight_map = index["weight_map"]
+  except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise SafetensorsError(f"{index_file}: not a safetensors index with a 'weight_map' ({e})") from e
+  if not isinstance(weight_map, dict):
+    raise SafetensorsError(f"{index_file}: 'weight_map' must map tensor names to files")
+  return weight_map
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  name: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int | None = None,
+                num_shards: int | None = None) -> list[list[TensorSpec]]:
+  """Split tensors, in order, into shards of at most `max_shard_bytes` (a bigger tensor gets its own
+  shard) or into `num_shards` shards of about equal size."""
+  total = sum(s.nbytes for s in specs)
+  if num_shards is not None:  # cut at equal fractions of the cumulative size: exactly num_shards when possible
+    n = max(1, min(num_shards, len(specs)))
+    shards: list[list[TensorSpec]] = [[] for _ in range(n)]
+    before = 0
+    for spec in specs:
+      shards[min(n - 1, before * n // max(total, 1))].append(spec)
+      before += spec.nbytes
+    shards = [s for s in shards if s]
+    while len(shards) < n:  # a tensor bigger than total / n left a gap: split the fullest shard
+      i = max(range(len(shards)), key=lambda k: len(shards[k]))
+      half = len(shards[i]) // 2
+      shards[i:i + 1] = [shards[i][:half], shards[i][half:]]
+    return shards
+  if max_shard_bytes is None or max_shard_bytes <= 0:
+    raise ValueError(f"plan_shards needs a positive max_shard_bytes or num_shards, got {max_shard_bytes}")
+  shards, current, size = [], [], 0
+  for spec in specs:
+    if current and size + spec.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append(spec)
+    size += spec.nbytes
+  if current:
+    shards.append(current)
+  return shards
+
+
+def _header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+  header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+  offset = 0
+  for s in specs:
+    header[s.name] = {"dtype": dtype_code(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+    offset += s.nbytes
+  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as the reference writer does
+  return struct.pack("<Q", len(raw)) + raw
+
+
+def write_file(path: str, specs: Sequence[TensorSpec], produce: Callable[[TensorSpec], np.ndarray],
+               metadata: dict[str, str] | None = None) -> None:
+  """Write one safetensors file, asking `produce` for each tensor in order (one in memory at a time).
+  Written to `path.tmp` then renamed, so a reader never sees half a file."""
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(_header_bytes(specs, metadata))
+    for spec in specs:
+      array = produce(spec)
+      if tuple(array.shape) != tuple(spec.shape) or np.dtype(array.dtype) != np.dtype(spec.dtype):
+        raise ValueError(f"{path}: tensor {spec.name!r} was planned as {np.dtype(spec.dtype)} {list(spec.shape)} "
+                         f"but produced as {array.dtype} {list(array.shape)}")
+      f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+      del array
+  os.replace(tmp, path)
+
+
+def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+  """Write a dict of arrays as one safetensors file."""
+  specs = [TensorSpec(n, np.dtype(a.dtype), tuple(a.shape)) for n, a in tensors.items()]
+  write_file(path, specs, lambda s: np.asarray(tensors[s.name]), metadata)
+
+
+def write_sharded(directory: str, specs: Sequence[TensorSpec], produce: Callable[[TensorSpec], np.ndarray], *,
+                  max_shard_bytes: int | None = None, num_shards: int | None = None, prefix: str = "model",
+                  metadata: dict[str, str] | None = None, on_written: Callable[[TensorSpec], None] | None = None,
+                  ) -> list[str]:
+  """Write tensors as `{prefix}.safetensors`, or as `{prefix}-0000k-of-0000n.safetensors` shards plus
+  `{prefix}.safetensors.index.json` (written last) when they need more than one shard. Returns file names."""
+  shards = plan_shards(specs, max_shard_bytes, num_shards)
+  n = len(shards)
+  names = [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+  def produce_and_report(spec: TensorSpec) -> np.ndarray:
+    array = produce(spec)
+    if on_written is not None:
+      on_written(spec)
+    return array
+
+  for name, shard in zip(names, shards):
+    write_file(os.path.join(directory, name), shard, produce_and_report, metadata)
+  if n > 1:
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
+    tmp = os.path.join(directory, f"{prefix}{INDEX_SUFFIX}.tmp")
+    with open(tmp, "w") as f:
+      json.dump(index, f, indent=2)
+      f.write("\n")
+    os.replace(tmp, os.path.join(directory, f"{prefix}{INDEX_SUFFIX}"))
+  return names
