@@ -1,0 +1,16 @@
+"""Decoding: D2F pipelined block decoding and its baselines, each one jitted `lax.while_loop`.
+
+    from d2f_jax.decode import DecodeConfig, generate
+    result = generate(model, [[1, 2, 3]], DecodeConfig(block_size=32, max_new_tokens=256))
+    result.to_lists()
+"""
+
+from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig, DecodeSpec, Knobs, resolve
+from d2f_jax.decode.result import DecodeResult
+from d2f_jax.decode.runner import (DecodeModel, StreamChunk, generate, generate_stepwise, pack_prompts, stream,
+                                   trace_count)
+
+__all__ = [
+    "DREAM_ALGS", "METHODS", "DecodeConfig", "DecodeSpec", "Knobs", "resolve", "DecodeResult", "DecodeModel",
+    "StreamChunk", "generate", "generate_stepwise", "pack_prompts", "stream", "trace_count",
+]

@@ -1,0 +1,181 @@
+"""Decoding configuration: what the user sets, split into a static spec (shapes, code paths) and knobs.
+
+Only the static spec is a jit argument that recompiles; thresholds, temperature, top-p and stop tokens are
+traced `Knobs`, so sweeping them (or changing prompts within a length bucket) reuses one compiled loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.models import ModelConfig
+
+Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
+METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "ar")
+DreamAlg = Literal["confidence", "entropy", "margin"]
+DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
+MAX_STOP_TOKENS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """How to decode. Defaults are the paper's D2F settings (tau_conf 0.9, tau_add 0.1, tau_act 0.95).
+
+  method: 'd2f' pipelined block decoding with a KV cache; 'threshold' = d2f with tau_add 1 and one block
+    in flight (training-free threshold decoding with a prefix cache, Fast-dLLM style); 'vanilla' = LLaDA
+    semi-autoregressive low-confidence remasking (no cache, `steps` spread evenly over the blocks);
+    'dream_vanilla' = Dream's whole-response ordering by `alg` in `steps` steps; 'ar' = KV-cached
+    next-token decoding that treats the model as a causal LM (causal attention, row i predicts token i+1).
+  max_blocks_in_flight: blocks still decoding at once (d2f); the forward window holds one more block, the
+    finished one whose K/V are being written. A fixed bound keeps the window shape static.
+  stop_tokens: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
+  prompt_buckets: prompt lengths are padded up to a multiple of this int, or to the smallest length in
+    this tuple that fits, so prompts within a bucket share one compiled program.
+  """
+
+  method: Method = "d2f"
+  block_size: int = 32
+  max_new_tokens: int = 256
+  max_blocks_in_flight: int = 4
+  tau_add: float = 0.1
+  tau_act: float = 0.95
+  tau_conf: float = 0.9
+  temperature: float = 0.0
+  top_p: float = 1.0
+  steps: int | None = None  # vanilla / dream_vanilla; None = max_new_tokens (one token per step)
+  alg: DreamAlg = "confidence"
+  stop_tokens: tuple[int, ...] | None = None
+  prompt_buckets: int | tuple[int, ...] = 64
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"DecodeConfig.method must be one of {METHODS}, got {self.method!r}")
+    for name in ("block_size", "max_new_tokens", "max_blocks_in_flight"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"DecodeConfig.{name} must be a positive int, got {value!r}")
+    if self.method != "ar" and self.max_new_tokens % self.block_size:
+      raise ValueError(f"DecodeConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of "
+                       f"block_size ({self.block_size})")
+    for name in ("tau_add", "tau_act", "tau_conf"):
+      value = getattr(self, name)
+      if not 0.0 <= value <= 1.0:
+        raise ValueError(f"DecodeConfig.{name} must lie in [0, 1], got {value!r}")
+    if not self.temperature >= 0.0 or math.isinf(self.temperature):
+      raise ValueError(f"DecodeConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"DecodeConfig.top_p must lie in (0, 1], got {self.top_p!r}")
+    if self.alg not in DREAM_ALGS:
+      raise ValueError(f"DecodeConfig.alg must be one of {DREAM_ALGS}, got {self.alg!r}")
+    if self.steps is not None:
+      if not isinstance(self.steps, int) or self.steps <= 0:
+        raise ValueError(f"DecodeConfig.steps must be a positive int or None, got {self.steps!r}")
+      if self.method == "vanilla":
+        blocks = self.max_new_tokens // self.block_size
+        if self.steps % blocks or self.steps // blocks > self.block_size:
+          raise ValueError(f"DecodeConfig.steps ({self.steps}) must be a multiple of the number of blocks "
+                           f"({blocks}) with at most block_size ({self.block_size}) steps per block")
+    if self.stop_tokens is not None:
+      if len(self.stop_tokens) > MAX_STOP_TOKENS or any(not isinstance(t, int) or t < 0 for t in self.stop_tokens):
+        raise ValueError(f"DecodeConfig.stop_tokens must be at most {MAX_STOP_TOKENS} non-negative ints, "
+                         f"got {self.stop_tokens!r}")
+    buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
+    if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
+      raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
+                       f"got {self.prompt_buckets!r}")
+
+  def replace(self, **changes) -> "DecodeConfig":
+    return dataclasses.replace(self, **changes)
+
+  def effective(self) -> "DecodeConfig":
+    """The config the decoder really runs: 'threshold' is d2f with tau_add 1 and one block in flight."""
+    if self.method == "threshold":
+      return self.replace(tau_add=1.0, max_blocks_in_flight=1)
+    return self
+
+  def bucket(self, prompt_len: int) -> int:
+    """Padded prompt length for a longest prompt of `prompt_len` tokens."""
+    if isinstance(self.prompt_buckets, int):
+      return -(-prompt_len // self.prompt_buckets) * self.prompt_buckets
+    fitting = [b for b in sorted(self.prompt_buckets) if b >= prompt_len]
+    if not fitting:
+      raise ValueError(f"prompt of {prompt_len} tokens is longer than the largest prompt bucket "
+                       f"{max(self.prompt_buckets)}")
+    return fitting[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+  """The static (hashable) part of a decode: anything that changes shapes or code paths."""
+
+  method: str
+  model: ModelConfig
+  block_size: int
+  max_new_tokens: int
+  max_blocks_in_flight: int
+  sample: bool  # temperature > 0: sample with top-p instead of argmax
+  steps: int
+  alg: str
+
+  @property
+  def num_blocks(self) -> int:
+    return self.max_new_tokens // self.block_size
+
+  @property
+  def window_blocks(self) -> int:
+    """Blocks in a d2f forward: those in flight plus the finished one awaiting its cache write."""
+    return self.max_blocks_in_flight + 1
+
+  @property
+  def window(self) -> int:
+    return self.window_blocks * self.block_size
+
+
+@flax.struct.dataclass
+class Knobs:
+  """Traced decode parameters: changing them never recompiles."""
+
+  add_count: jax.Array  # int32: decoded tokens the last block needs before a new block is appended
+  act_count: jax.Array  # int32: decoded tokens block i-1 needs before block i is fully activated
+  tau_conf: jax.Array  # f32
+  temperature: jax.Array  # f32
+  top_p: jax.Array  # f32
+  stop_ids: jax.Array  # [MAX_STOP_TOKENS] int32, -1 = unused
+
+
+def decoded_count_needed(tau: float, block_size: int) -> int:
+  """Smallest decoded count n with n / block_size >= tau, i.e. the ratio test done once in exact ints."""
+  return next(n for n in range(block_size + 1) if n / block_size >= tau)
+
+
+def stop_ids_for(config: DecodeConfig, model: ModelConfig) -> tuple[int, ...]:
+  if config.stop_tokens is not None:
+    return tuple(config.stop_tokens)
+  ids = [model.eos_token_id] + ([model.eot_token_id] if model.eot_token_id is not None else [])
+  return tuple(dict.fromkeys(ids))
+
+
+def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs]:
+  """Split a validated user config into the static spec and the traced knobs for `model`."""
+  run = config.effective()
+  stops = stop_ids_for(run, model)
+  bad = [t for t in stops if t >= model.vocab_size]
+  if bad:
+    raise ValueError(f"stop tokens {bad} are outside the vocabulary of size {model.vocab_size}")
+  steps = run.steps if run.steps is not None else run.max_new_tokens  # default: one token per step
+  spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
+                    block_size=run.block_size, max_new_tokens=run.max_new_tokens,
+                    max_blocks_in_flight=run.max_blocks_in_flight, sample=run.temperature > 0.0,
+                    steps=steps, alg=run.alg)
+  stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
+  knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
+                act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
+                tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(max(run.temperature, 1e-6)),
+                top_p=jnp.float32(run.top_p), stop_ids=jnp.asarray(stop_array, jnp.int32))
+  return spec, knobs

@@ -1,0 +1,205 @@
+"""D2F pipelined block decoding (spec section 4) as init / step / finish over a fixed-shape loop state.
+
+Layout per row: the token buffer is [left-padded prompt (P) | response (N) | spare tail (W)], so response
+block j always starts at column P + j * B and the window of W = (max_blocks_in_flight + 1) * B columns
+starting at the first block not yet in the cache is a plain gather that never runs off the end.
+The KV cache mirrors buffer columns slot for slot; `cache.length` = P + cached * B.
+
+Blocks from the cache onward are, in order: `pending` finished blocks whose K/V the next forward writes
+(finished-awaiting-cache), then `added - cached - pending` blocks in flight (semi- or fully activated,
+possibly finished but waiting for an earlier block), then empty slots. One step is exactly one forward:
+  forward the window (writing the pending blocks' K/V) -> accept tokens in the blocks in flight ->
+  freeze the leading finished blocks -> append a block for the next step -> mark the row done when no
+  masks remain. The append that the spec puts at the start of step t+1 runs at the end of step t, so the
+  loop condition knows a row is finished before paying for another forward.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.decode.config import DecodeSpec, Knobs
+from d2f_jax.decode.result import DecodeResult, make_result
+from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop
+from d2f_jax.models import PAD_ID, KVCache, align_logits
+
+# Window block states, as the last forward saw them (`D2FState.blocks`).
+EMPTY, SEMI_ACTIVE, FULLY_ACTIVE, AWAITING_CACHE = 0, 1, 2, 3
+
+
+@flax.struct.dataclass
+class D2FState:
+  tokens: jax.Array  # [B, P + N + W] int32
+  prompt_len: jax.Array  # [B] int32 real (unpadded) prompt tokens
+  cache: KVCache  # k, v [L, B, P + N, K, D]
+  prev_logits: jax.Array  # [B, V] f32 raw output at the last cached position (Dream's shift)
+  cached: jax.Array  # [B] int32 response blocks in the cache
+  pending: jax.Array  # [B] int32 finished blocks right after them, written by the next forward
+  added: jax.Array  # [B] int32 blocks appended so far
+  eos: jax.Array  # [B] bool a stop token was accepted: no more blocks
+  done: jax.Array  # [B] bool no masks left: the row is frozen
+  forwards: jax.Array  # [B] int32 forwards (= steps) the row took
+  trace: jax.Array  # [B, N + W] int32 step at which each response position was accepted, -1
+  blocks: jax.Array  # [B, max_blocks_in_flight + 1] int32 state of each window slot (EMPTY ...)
+  key: jax.Array  # PRNG key, split once per step
+  t: jax.Array  # () int32 loop iterations (safety bound)
+  max_in_flight: jax.Array  # [B] int32
+  semi_steps: jax.Array  # [B] int32
+  max_accepted: jax.Array  # [B] int32
+
+
+def _prompt_width(state: D2FState, spec: DecodeSpec) -> int:
+  return state.tokens.shape[1] - spec.max_new_tokens - spec.window
+
+
+def _window_columns(start_block: jax.Array, prompt_width: int, spec: DecodeSpec) -> jax.Array:
+  """Buffer columns [B, W] of the window that starts at response block `start_block` [B]."""
+  start = prompt_width + start_block * spec.block_size  # [B]
+  return start[:, None] + jnp.arange(spec.window, dtype=jnp.int32)[None, :]
+
+
+def _window_inputs(state: D2FState, spec: DecodeSpec):
+  """Tokens, positions and attention ids [B, W] of the window, plus its columns."""
+  width = _prompt_width(state, spec)
+  cols = _window_columns(state.cached, width, spec)
+  tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
+  block = (cols - width) // spec.block_size  # [B, W] response block of each column
+  ids = jnp.where(block < state.added[:, None], block, PAD_ID)  # blocks not appended are invisible
+  positions = cols - (width - state.prompt_len)[:, None]  # cumsum(mask) - 1 under left padding
+  return tokens, positions, ids.astype(jnp.int32), cols
+
+
+def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs: Knobs,
+         spec: DecodeSpec) -> D2FState:
+  """Append block 0 and run the first step: one forward over prompt + window that also prefills the cache.
+
+  prompt: [B, P] left-padded ids; prompt_len: [B] real lengths (>= 1).
+  """
+  config = spec.model
+  batch, width = prompt.shape
+  tail = jnp.full((batch, spec.max_new_tokens + spec.window), config.mask_token_id, jnp.int32)
+  zeros = jnp.zeros((batch,), jnp.int32)
+  state = D2FState(
+      tokens=jnp.concatenate([prompt.astype(jnp.int32), tail], axis=1), prompt_len=prompt_len.astype(jnp.int32),
+      cache=KVCache.init(config, batch, width + spec.max_new_tokens),
+      prev_logits=jnp.zeros((batch, config.vocab_size), jnp.float32), cached=zeros, pending=zeros,
+      added=jnp.ones((batch,), jnp.int32), eos=jnp.zeros((batch,), bool), done=jnp.zeros((batch,), bool),
+      forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32), key=key,
+      blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
+      semi_steps=zeros, max_accepted=zeros)
+
+  win_tokens, win_positions, win_ids, win_cols = _window_inputs(state, spec)
+  cols = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, P]
+  is_prompt = cols >= (width - state.prompt_len)[:, None]  # [B, P] False on left padding
+  tokens = jnp.concatenate([state.tokens[:, :width], win_tokens], axis=1)  # [B, P + W]
+  positions = jnp.concatenate([jnp.maximum(cols - (width - state.prompt_len)[:, None], 0), win_positions], axis=1)
+  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids], axis=1).astype(jnp.int32)
+  hidden, (k, v) = model.hidden_states(tokens, positions, ids, state.cache)  # hidden [B, P + W, E]
+  cache = state.cache.write(k, v, ids, jnp.full((batch,), width, jnp.int32))  # the prompt only
+  # The head runs on the window and the last prompt row only (Dream's shift takes its output).
+  raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + W, V]
+  logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, W, V]
+  state = state.replace(cache=cache, prev_logits=raw[:, 0])
+  return _advance(state, win_tokens, win_cols, logits, knobs, spec)
+
+
+def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
+  """One forward over the window against the cache, writing the pending blocks' K/V, then accept."""
+  tokens, positions, ids, cols = _window_inputs(state, spec)
+  raw, (k, v) = model(tokens, positions, ids, state.cache)  # raw [B, W, V]
+  written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B]
+  cache = state.cache.write(k, v, ids, written)
+  logits = align_logits(raw, spec.model, previous=state.prev_logits)  # [B, W, V]
+  last = jnp.maximum(written - 1, 0)  # window row of the last token now cached
+  last_row = jnp.take_along_axis(raw, last[:, None, None], axis=1)[:, 0]  # [B, V]
+  prev = jnp.where((written > 0)[:, None], last_row, state.prev_logits)
+  return _advance(state.replace(cache=cache, prev_logits=prev), tokens, cols, logits, knobs, spec)
+
+
+def _advance(state: D2FState, window: jax.Array, cols: jax.Array, logits: jax.Array, knobs: Knobs,
+             spec: DecodeSpec) -> D2FState:
+  """Acceptance and block bookkeeping after a forward.
+
+  window: [B, W] the window's tokens, at buffer columns `cols` [B, W]; logits: [B, W, V] aligned.
+  """
+  bs, nk = spec.block_size, spec.window_blocks
+  batch = logits.shape[0]
+  width = _prompt_width(state, spec)
+  live = ~state.done  # [B]
+
+  slot = jnp.arange(nk, dtype=jnp.int32)[None, :]  # [1, nk] window block slots
+  exists = state.cached[:, None] + slot < state.added[:, None]  # [B, nk]
+  waiting = slot < state.pending[:, None]  # finished, K/V written by this forward
+  in_flight = exists & ~waiting
+  masked = (window == spec.model.mask_token_id).reshape(batch, nk, bs) & exists[..., None]  # [B, nk, bs]
+  masks = masked.sum(-1)  # [B, nk]
+  decoded = bs - masks
+  # Block i is fully activated once block i-1 is decoded past tau_act; the first block's predecessor
+  # is the prompt or a cached block (complete). Decoded counts only grow, so activation is sticky.
+  before = jnp.concatenate([jnp.full((batch, 1), bs, jnp.int32), decoded[:, :-1]], axis=1)
+  fully = before >= knobs.act_count  # [B, nk]
+
+  key, sub = jax.random.split(state.key)
+  choice, confidence, _ = choose_tokens(logits, sub, knobs, spec.sample)  # [B, W] each
+  choice = choice.reshape(batch, nk, bs)
+  confidence = confidence.reshape(batch, nk, bs)
+  candidate = masked & in_flight[..., None]  # [B, nk, bs]
+  over = candidate & (confidence > knobs.tau_conf)
+  # A fully activated block that clears no position takes its single most confident one.
+  best = argmax_first(jnp.where(candidate, confidence, -jnp.inf))  # [B, nk]
+  forced = in_flight & fully & (masks > 0) & ~over.any(-1)
+  accept = over | (jax.nn.one_hot(best, bs, dtype=bool) & forced[..., None])
+  accept = accept & live[:, None, None]  # [B, nk, bs]
+
+  flat = accept.reshape(batch, -1)  # [B, W]
+  rows = jnp.arange(batch)[:, None]
+  tokens = state.tokens.at[rows, cols].set(jnp.where(flat, choice.reshape(batch, -1), window))
+  trace_cols = cols - width
+  old_trace = jnp.take_along_axis(state.trace, trace_cols, axis=1)
+  trace = state.trace.at[rows, trace_cols].set(jnp.where(flat, state.forwards[:, None], old_trace))
+  eos = state.eos | jnp.any(accept & is_stop(choice, knobs.stop_ids), axis=(1, 2))
+
+  # Freeze: the leading run of finished blocks (after those written now) awaits its cache write.
+  masks_after = masks - accept.sum(-1)  # [B, nk]
+  finished = exists & (masks_after == 0)  # [B, nk] (the blocks written now are finished too)
+  run = jnp.cumprod(finished.astype(jnp.int32), axis=1).sum(axis=1)  # [B] leading finished slots
+  cached = state.cached + state.pending
+  pending = run - state.pending
+
+  # Append for the next step: room in flight, no stop token yet, last block decoded past tau_add.
+  last_slot = state.added - 1 - state.cached  # [B] in [0, nk)
+  last_decoded = jnp.take_along_axis(bs - masks_after, jnp.clip(last_slot, 0, nk - 1)[:, None], axis=1)[:, 0]
+  flying = state.added - cached - pending
+  grow = (live & (state.added < spec.num_blocks) & ~eos & (last_decoded >= knobs.add_count)
+          & (flying < spec.max_blocks_in_flight))
+  remaining = masks_after.sum(axis=1) + grow * bs
+
+  def keep(new, old):
+    return jnp.where(live, new, old)
+
+  blocks = jnp.where(waiting, AWAITING_CACHE, jnp.where(fully, FULLY_ACTIVE, SEMI_ACTIVE))
+  blocks = jnp.where(exists, blocks, EMPTY)  # [B, nk]
+  semi = jnp.any((blocks == SEMI_ACTIVE) & (masks > 0), axis=1)
+  return state.replace(
+      tokens=tokens, trace=trace, key=key, t=state.t + 1, eos=keep(eos, state.eos),
+      blocks=jnp.where(live[:, None], blocks, state.blocks),
+      cached=keep(cached, state.cached), pending=keep(pending, state.pending),
+      added=state.added + grow, done=state.done | (remaining == 0), forwards=state.forwards + live,
+      max_in_flight=keep(jnp.maximum(state.max_in_flight, in_flight.sum(1)), state.max_in_flight),
+      semi_steps=state.semi_steps + (live & semi),
+      max_accepted=keep(jnp.maximum(state.max_accepted, flat.sum(1)), state.max_accepted))
+
+
+def running(state: D2FState, spec: DecodeSpec) -> jax.Array:
+  """Loop condition: some row still has masks (each step accepts >= 1 token, so N + 1 steps suffice)."""
+  return jnp.any(~state.done) & (state.t <= spec.max_new_tokens + 1)
+
+
+def finish(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
+  width = _prompt_width(state, spec)
+  response = state.tokens[:, width:width + spec.max_new_tokens]
+  return make_result(response, state.trace[:, :spec.max_new_tokens], knobs.stop_ids, spec.model.pad_token_id,
+                     state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
+                     max_accepted=state.max_accepted)

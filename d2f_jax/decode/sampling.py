@@ -1,0 +1,82 @@
+"""Token choice and confidence shared by every decoder.
+
+Confidence is the probability of the chosen token under the temperature-scaled distribution *before*
+top-p truncation: top-p only limits what may be sampled. (The PyTorch reference renormalises after top-p,
+which pushes confidences toward 1 and makes tau_conf mean something different for every top_p; here
+top_p -> 0 at temperature 1 is exactly greedy decoding.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.decode.config import Knobs
+
+
+def top_p_keep(logp: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Nucleus filter: keep the most probable tokens until their mass reaches top_p (the first always).
+
+  logp: [..., V] log-probabilities. Returns a bool mask [..., V].
+  """
+  probs = jnp.exp(logp)
+  ranked = -jnp.sort(-probs, axis=-1)  # [..., V] descending
+  mass_before = jnp.cumsum(ranked, axis=-1) - ranked
+  kept = mass_before <= top_p
+  cutoff = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)  # smallest kept probability
+  return probs >= cutoff
+
+
+def argmax_first(x: jax.Array) -> jax.Array:
+  """argmax over the last axis (first index on ties) as max + min-index: XLA:CPU's variadic argmax
+  reduction is several times slower than these two plain reductions, and this sits in every step."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  size = x.shape[-1]
+  first = jnp.min(jnp.where(x == top, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
+  return jnp.minimum(first, size - 1)  # an all-NaN row yields the last index, not out of range
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool):
+  """Chosen ids and their confidence for logits [..., V] (fp32).
+
+  Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-p.
+  Returns (ids [...] int32, confidence [...] f32, scaled logits [..., V] for `ordering_score`).
+  """
+  scaled = logits.astype(jnp.float32)
+  if sample:
+    scaled = scaled / knobs.temperature
+  top = jnp.max(scaled, axis=-1, keepdims=True)
+  log_total = top + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True))  # logsumexp [..., 1]
+  if sample:
+    allowed = jnp.where(top_p_keep(scaled - log_total, knobs.top_p), scaled, -jnp.inf)
+    ids = jax.random.categorical(key, allowed, axis=-1)
+  else:
+    ids = argmax_first(scaled)
+  ids = ids.astype(jnp.int32)
+  chosen = jnp.take_along_axis(scaled, ids[..., None], axis=-1)
+  return ids, jnp.exp(chosen - log_total)[..., 0], scaled
+
+
+def ordering_score(alg: str, confidence: jax.Array, scaled: jax.Array) -> jax.Array:
+  """Dream's unmasking order, higher first: top-1 'confidence', top1 - top2 'margin', or -entropy."""
+  if alg == "confidence":
+    return confidence
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  probs = jnp.exp(logp)
+  if alg == "margin":
+    top2 = jax.lax.top_k(probs, 2)[0]  # [..., 2]
+    return top2[..., 0] - top2[..., 1]
+  if alg == "entropy":
+    return jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+  raise ValueError(f"unknown ordering alg {alg!r}")
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  """tokens [...] -> bool [...]: token is one of the stop ids (-1 slots never match)."""
+  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def rank_descending(score: jax.Array) -> jax.Array:
+  """Rank of each entry along the last axis when sorted by descending score, ties by position."""
+  order = jnp.argsort(-score, axis=-1, stable=True)
+  return jnp.argsort(order, axis=-1, stable=True)

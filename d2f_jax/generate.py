@@ -1,0 +1,115 @@
+"""Command line generation: `python -m d2f_jax.generate --model PATH --prompt "..." [--method d2f ...]`.
+
+Streams the response as it settles (host-driven steps, so text appears block by block), or with
+`--no_stream` runs the whole generation as one jitted loop and prints it; then reports tokens/s and
+tokens per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+from d2f_jax.decode import METHODS, DREAM_ALGS, DecodeConfig, generate, stream
+
+_DEFAULTS = DecodeConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m d2f_jax.generate", description=__doc__.split("\n")[0])
+  p.add_argument("--model", required=True, help="HF or converted model directory")
+  p.add_argument("--lora", default=None, help="PEFT adapter directory merged into the model (a D2F student)")
+  p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16 or float32")
+  group = p.add_mutually_exclusive_group(required=True)
+  group.add_argument("--prompt", help="prompt text")
+  group.add_argument("--prompt_ids", help="comma-separated prompt token ids (no tokenizer needed)")
+  p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+  p.add_argument("--method", default=_DEFAULTS.method, choices=METHODS)
+  p.add_argument("--block_size", type=int, default=_DEFAULTS.block_size)
+  p.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens)
+  p.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight)
+  p.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add)
+  p.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act)
+  p.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf)
+  p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
+  p.add_argument("--top_p", type=float, default=_DEFAULTS.top_p)
+  p.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
+  p.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no_stream", action="store_true", help="one jitted loop, print at the end")
+  p.add_argument("--warmup", action="store_true", help="compile with one run first, so timings exclude it")
+  return p
+
+
+def _prompt_ids(model, args) -> list[int]:
+  if args.prompt_ids is not None:
+    try:
+      return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError as e:
+      raise SystemExit(f"--prompt_ids must be comma-separated integers, got {args.prompt_ids!r}") from e
+  tok = model.tokenizer
+  if tok is None:
+    raise SystemExit(f"{args.model!r} has no tokenizer; pass --prompt_ids instead of --prompt")
+  if args.chat:
+    if getattr(tok, "chat_template", None):
+      return list(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    print("warning: the tokenizer has no chat template; using the raw prompt", file=sys.stderr)
+  return list(tok(args.prompt, add_special_tokens=False)["input_ids"])
+
+
+def _text(model, ids) -> str:
+  if model.tokenizer is None:
+    return " ".join(map(str, ids))
+  return model.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = build_parser().parse_args(argv)
+  import jax
+
+  import d2f_jax
+
+  try:
+    config = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+                          max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add,
+                          tau_act=args.tau_act, tau_conf=args.tau_conf, temperature=args.temperature,
+                          top_p=args.top_p, steps=args.steps, alg=args.alg)
+  except ValueError as e:
+    raise SystemExit(f"bad decoding option: {e}") from e
+  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora)
+  prompt = _prompt_ids(model, args)
+  key = jax.random.key(args.seed)
+  if args.warmup:
+    jax.block_until_ready(generate(model, [prompt], config, key=key))
+
+  start = time.perf_counter()
+  if args.no_stream:
+    result = generate(model, [prompt], config, key=key)
+    ids, forwards = result.to_lists()[0], int(result.forwards[0])
+    print(_text(model, ids), flush=True)
+  else:
+    ids, forwards, shown = [], 0, ""
+    for chunk in stream(model, prompt, config, key=key):
+      ids += chunk.ids
+      forwards = chunk.forwards
+      text = _text(model, ids)
+      new = text[len(shown):] if text.startswith(shown) else "\n" + text
+      print(new, end="", flush=True)
+      shown = text
+    print(flush=True)
+  seconds = time.perf_counter() - start
+  stats = dict(prompt_tokens=len(prompt), tokens=len(ids), forwards=forwards, seconds=seconds,
+               tokens_per_s=len(ids) / seconds if seconds > 0 else float("nan"),
+               tokens_per_forward=len(ids) / forwards if forwards else float("nan"))
+  note = "" if args.warmup else " (includes compilation; --warmup excludes it)"
+  print(f"[{args.method}] {stats['tokens']} tokens in {stats['forwards']} forwards "
+        f"({stats['tokens_per_forward']:.2f} tokens/forward), {seconds:.2f}s, {stats['tokens_per_s']:.1f} tokens/s"
+        f"{note}", file=sys.stderr)
+  return stats
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

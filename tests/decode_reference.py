@@ -1,0 +1,180 @@
+"""Plain step-by-step reference decoders, written from the spec, for one prompt at a time.
+
+No cache, no windows, no jit of the loop: every step recomputes the model on the whole sequence
+(prompt + the full response area) under the method's attention pattern and applies the rules in
+Python/numpy. Blocks that are not appended yet are mask tokens in a later block, which block-causal
+attention hides from every earlier block, so including them changes no logit that is used. The sequence
+is right-padded to a fixed length so one compiled forward serves every step.
+
+Greedy only. Each function returns dict(tokens, length, forwards, trace, and d2f diagnostics).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from d2f_jax.models import logits_for_mode
+
+REF_LEN = 64  # fixed model input length (prompt + response must fit)
+
+
+def _logits(model, seq: np.ndarray, mode: str, prompt_len: int | None = None, block_size: int | None = None,
+            align: bool = True) -> np.ndarray:
+  """Logits [len(seq), V] of the sequence under `mode`; row i predicts token i when `align`."""
+  n = len(seq)
+  if n > REF_LEN:
+    raise ValueError(f"reference sequence of {n} tokens exceeds REF_LEN={REF_LEN}")
+  tokens = np.full((1, REF_LEN), model.config.pad_token_id, np.int32)
+  tokens[0, :n] = seq
+  mask = np.zeros((1, REF_LEN), np.int32)
+  mask[0, :n] = 1
+  out = logits_for_mode(model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(mask), mode=mode,
+                        prompt_len=prompt_len, block_size=block_size, align=align)
+  return np.asarray(out[0, :n], np.float32)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+  z = logits - logits.max(-1, keepdims=True)
+  e = np.exp(z)
+  return e / e.sum(-1, keepdims=True)
+
+
+def _finish(response: np.ndarray, trace: np.ndarray, stops, pad_id: int, forwards: int, **extra) -> dict:
+  length = len(response)
+  for i, tok in enumerate(response):
+    if int(tok) in stops:
+      length = i + 1
+      break
+  tokens = np.where(np.arange(len(response)) < length, response, pad_id)
+  return dict(tokens=tokens, length=length, forwards=forwards, trace=trace, **extra)
+
+
+def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_add, tau_act, tau_conf,
+        stop_tokens) -> dict:
+  """D2F pipelined decoding (spec section 4) with full block-causal recompute every step."""
+  cfg = model.config
+  mask_id, bs = cfg.mask_token_id, block_size
+  p = len(prompt)
+  num_blocks = max_new_tokens // bs
+  seq = np.array(list(prompt) + [mask_id] * max_new_tokens, np.int64)
+  trace = np.full(max_new_tokens, -1)
+  states: list[str] = []  # per appended block: 'active' | 'to_cache' | 'cached'
+  eos = False
+  forwards = 0
+  max_in_flight = semi_steps = max_accepted = 0
+
+  def block(j):
+    return slice(p + j * bs, p + (j + 1) * bs)
+
+  def decoded(j):
+    return int(np.sum(seq[block(j)] != mask_id))
+
+  while True:
+    # 1. append a block
+    last_ratio = 1.0 if not states else decoded(len(states) - 1) / bs
+    active = sum(s == "active" for s in states)
+    if len(states) < num_blocks and not eos and last_ratio >= tau_add and active < max_blocks_in_flight:
+      states.append("active")
+    # 6. stop when no masks remain
+    if not any(decoded(j) < bs for j in range(len(states))):
+      break
+    # 5. blocks finished last step get their final K/V in this forward
+    states = ["cached" if s == "to_cache" else s for s in states]
+    # activation from the decoded ratio of the previous block (the prompt counts as complete)
+    fully = [j == 0 or decoded(j - 1) / bs >= tau_act for j in range(len(states))]
+    # 2. one forward over everything
+    probs = _softmax(_logits(model, seq, "block_causal", prompt_len=p, block_size=bs))
+    forwards += 1
+    step = forwards - 1
+    in_flight = [j for j, s in enumerate(states) if s == "active"]
+    max_in_flight = max(max_in_flight, len(in_flight))
+    semi_steps += any(not fully[j] and decoded(j) < bs for j in in_flight)
+    # 3. accept per block in flight
+    accepted = []
+    for j in in_flight:
+      positions = [i for i in range(block(j).start, block(j).stop) if seq[i] == mask_id]
+      if not positions:
+        continue
+      choice = {i: int(np.argmax(probs[i])) for i in positions}
+      conf = {i: float(probs[i, choice[i]]) for i in positions}
+      chosen = [i for i in positions if conf[i] > np.float32(tau_conf)]
+      if not chosen and fully[j]:
+        chosen = [max(positions, key=lambda i: (conf[i], -i))]  # most confident, first on ties
+      accepted += [(i, choice[i]) for i in chosen]
+    for i, tok in accepted:
+      seq[i] = tok
+      trace[i - p] = step
+      # 4. a stop token ends appending
+      eos = eos or tok in stop_tokens
+    max_accepted = max(max_accepted, len(accepted))
+    # 5. finished blocks freeze in order, only after every earlier block
+    for j, s in enumerate(states):
+      if s == "active" and decoded(j) == bs and all(t != "active" for t in states[:j]):
+        states[j] = "to_cache"
+  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, forwards, max_in_flight=max_in_flight,
+                 semi_steps=semi_steps, max_accepted=max_accepted)
+
+
+def llada_vanilla(model, prompt, *, block_size, max_new_tokens, steps, stop_tokens) -> dict:
+  """LLaDA semi-autoregressive low-confidence remasking: bidirectional, fixed steps per block."""
+  cfg = model.config
+  p = len(prompt)
+  seq = np.array(list(prompt) + [cfg.mask_token_id] * max_new_tokens, np.int64)
+  trace = np.full(max_new_tokens, -1)
+  num_blocks = max_new_tokens // block_size
+  per_block = steps // num_blocks
+  forwards = 0
+  for b in range(num_blocks):
+    counts = [block_size // per_block + (s < block_size % per_block) for s in range(per_block)]
+    for k in counts:
+      probs = _softmax(_logits(model, seq, "bidirectional"))
+      forwards += 1
+      lo, hi = p + b * block_size, p + (b + 1) * block_size
+      masked = [i for i in range(lo, hi) if seq[i] == cfg.mask_token_id]
+      conf = {i: probs[i].max() for i in masked}
+      for i in sorted(masked, key=lambda i: (-conf[i], i))[:k]:
+        seq[i] = int(np.argmax(probs[i]))
+        trace[i - p] = forwards - 1
+  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, forwards)
+
+
+def dream_vanilla(model, prompt, *, max_new_tokens, steps, alg, stop_tokens) -> dict:
+  """Dream's diffusion decoding over the whole response, ordered by confidence / margin / -entropy."""
+  cfg = model.config
+  p = len(prompt)
+  seq = np.array(list(prompt) + [cfg.mask_token_id] * max_new_tokens, np.int64)
+  trace = np.full(max_new_tokens, -1)
+  times = np.linspace(1, 1e-3, steps + 1)
+  for i in range(steps):
+    probs = _softmax(_logits(model, seq, "bidirectional"))
+    masked = [j for j in range(p, len(seq)) if seq[j] == cfg.mask_token_id]
+    k = len(masked) if i == steps - 1 else int(len(masked) * (1 - times[i + 1] / times[i]))
+    score = {}
+    for j in masked:
+      top = np.sort(probs[j])[::-1]
+      if alg == "confidence":
+        score[j] = top[0]
+      elif alg == "margin":
+        score[j] = top[0] - top[1]
+      else:
+        nz = probs[j][probs[j] > 0]
+        score[j] = float(np.sum(nz * np.log(nz)))
+    for j in sorted(masked, key=lambda j: (-score[j], j))[:k]:
+      seq[j] = int(np.argmax(probs[j]))
+      trace[j - p] = i
+  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, steps)
+
+
+def causal_greedy(model, prompt, *, max_new_tokens, stop_tokens) -> dict:
+  """Greedy next-token decoding recomputing the causal model over the whole sequence every token."""
+  cfg = model.config
+  seq = list(prompt)
+  for _ in range(max_new_tokens):
+    logits = _logits(model, np.array(seq), "causal", align=False)
+    seq.append(int(np.argmax(logits[-1])))
+    if seq[-1] in stop_tokens:
+      break
+  response = np.array(seq[len(prompt):] + [cfg.pad_token_id] * (max_new_tokens - len(seq) + len(prompt)))
+  trace = np.where(np.arange(max_new_tokens) < len(seq) - len(prompt), np.arange(max_new_tokens), -1)
+  return _finish(response, trace, stop_tokens, cfg.pad_token_id, len(seq) - len(prompt))

@@ -1,0 +1,41 @@
+"""`python -m d2f_jax.generate` on a tiny synthetic Hugging Face checkpoint."""
+
+import pytest
+
+from d2f_jax.models import TINY_DREAM
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  synthetic = pytest.importorskip("d2f_jax.convert.synthetic")
+  return synthetic.write_hf_checkpoint(tmp_path_factory.mktemp("tiny_dream"), TINY_DREAM, seed=0, dtype="float32")
+
+
+def test_cli_streams_and_matches_the_jitted_loop(checkpoint, capsys):
+  import d2f_jax
+  from d2f_jax import generate as cli
+  from d2f_jax.decode import DecodeConfig, generate
+
+  flags = ["--model", checkpoint, "--block_size", "4", "--max_new_tokens", "16", "--tau_conf", "0.05",
+           "--max_blocks_in_flight", "2"]
+  streamed = cli.main(flags + ["--prompt", "w5 w6 w7", "--chat"])
+  out = capsys.readouterr()
+  assert "tokens/forward" in out.err and streamed["tokens"] > 0
+  assert 0 < streamed["forwards"] <= 16
+
+  once = cli.main(flags + ["--prompt_ids", "5,6,7", "--no_stream"])
+  text = capsys.readouterr().out.rstrip()
+  model = d2f_jax.load_model(checkpoint)
+  config = DecodeConfig(block_size=4, max_new_tokens=16, tau_conf=0.05, max_blocks_in_flight=2)
+  ids = generate(model, [[5, 6, 7]], config).to_lists()[0]
+  # endswith: the tokenizer loader may print a notice on stdout before the generated text
+  assert text.endswith(model.tokenizer.decode(ids, skip_special_tokens=True))
+  assert once["tokens"] == len(ids)
+
+
+def test_cli_rejects_bad_options(checkpoint):
+  from d2f_jax import generate as cli
+  with pytest.raises(SystemExit, match="multiple of block_size"):
+    cli.main(["--model", checkpoint, "--prompt_ids", "1", "--block_size", "3", "--max_new_tokens", "16"])
+  with pytest.raises(SystemExit, match="comma-separated"):
+    cli.main(["--model", checkpoint, "--prompt_ids", "1,x"])
