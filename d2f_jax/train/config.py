@@ -1,0 +1,185 @@
+"""The distillation config: defaults, hardware presets, `arg` parsing and validation.
+
+Config files under configs/ are big_vision style: `get_config(arg=None)` builds on `base_config()` and
+reads a small `arg` string ("tpu_v5p_64", "family=dream,full") through `parse_arg`. `validate` checks every
+field the trainer reads and names the bad one, so a typo fails before any device work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ml_collections
+from ml_collections import config_dict
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# maxtext-style rules: logical axis -> mesh axes (tried in order; a mesh axis is used once per array, and a
+# dimension it does not divide stays replicated). Parameters are FSDP-sharded on `embed`, tensor-parallel on
+# heads / mlp / vocab; activations split their batch over data x fsdp.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("lora_rank", None),
+    ("length", None),
+)
+
+# name -> (mesh sizes, global batch, micro batches). Global batch = sequences per optimizer step.
+HARDWARE = {
+    "gpu_8xa100": (dict(data=1, fsdp=8, tensor=1), 16, 2),  # 1 sequence per GPU per microbatch (40 GB)
+    "gpu_8xh100": (dict(data=1, fsdp=8, tensor=1), 32, 2),
+    "gpu_2x8xh100": (dict(data=2, fsdp=8, tensor=1), 64, 2),  # two hosts: data across, FSDP inside a node
+    "tpu_v5p_64": (dict(data=4, fsdp=8, tensor=1), 64, 1),  # 32 chips, 95 GB each
+    "tpu_v5e_64": (dict(data=4, fsdp=16, tensor=1), 64, 2),  # 64 chips, 16 GB each: weights need wide FSDP
+    "cpu": (dict(data=1, fsdp=-1, tensor=1), 8, 1),
+}
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults shared by every model: the paper's distillation recipe with LoRA on q, k, v, o."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = 10_000
+  c.batch_size = 32  # global sequences per optimizer step
+  c.micro_batches = 1  # gradient accumulation: the batch is scanned in this many slices
+  c.block_size = 16
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = config_dict.placeholder(str)  # HF or converted directory of the base (teacher) model
+  c.model.preset = config_dict.placeholder(str)  # or a preset name, randomly initialised (tests, benchmarks)
+  c.model.synthetic = False  # write a random HF checkpoint + tokenizer of `preset` into the workdir and use it
+  c.model.dtype = "bfloat16"  # storage and compute dtype of the base weights
+
+  c.finetune = "lora"  # 'lora' (student = base + adapter) or 'full' (student = trainable copy of the base)
+  c.lora = ml_collections.ConfigDict(dict(rank=32, alpha=32.0, dropout=0.1, targets=("q", "k", "v", "o"),
+                                          use_rslora=False))
+  c.train_dtype = "float32"  # dtype of the trainable parameters and their optimizer state
+
+  c.schedule = ml_collections.ConfigDict(dict(kind="monotone", low=0.2, high=0.7))
+  c.loss_chunk = 0  # sequence rows per logits chunk (0: whole sequence); bounds the [B, T, V] fp32 buffers
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "jsonl"  # see d2f_jax.train.data.SOURCES
+  c.data.path = config_dict.placeholder(str)
+  c.data.eval_path = config_dict.placeholder(str)  # default: hold out the last `eval_examples` of `path`
+  c.data.eval_examples = 256
+  c.data.question_field = "question"
+  c.data.answer_field = "answer"
+  c.data.tokenizer = config_dict.placeholder(str)  # default: the tokenizer in model.path
+  c.data.seq_len = 1024
+  c.data.synthetic_examples = 512  # size of the JSONL written when model.synthetic and no data.path
+  c.data.prefetch = 2
+
+  c.optim = ml_collections.ConfigDict(dict(lr=1e-5, warmup_steps=0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.05,
+                                           clip=1.0))
+
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  c.logical_axis_rules = DEFAULT_RULES
+  c.distributed = "auto"  # 'auto' (from the environment), 'on', 'off'
+
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3, async_save=True))
+  c.log_every = 10
+  c.eval_every = 500
+  c.eval_batches = 8
+  c.export = True  # at the end: <workdir>/adapter (PEFT, LoRA runs) or <workdir>/hf (HF checkpoint, full runs)
+  c.peak_flops = config_dict.placeholder(float)  # per device; default from the device kind (CPU: measured)
+  c.progress_bar = True
+  return c
+
+
+def parse_arg(arg: str | None, *, positional: str | None = None, **defaults) -> ml_collections.ConfigDict:
+  """big_vision-style `arg`: comma-separated `key=value` (typed like the default) or bare words.
+
+  A bare word sets a boolean default to True; any other bare word fills `positional`,
+  e.g. parse_arg("tpu_v5p_64,runlocal", positional="hw", hw="gpu_8xa100", runlocal=False).
+  """
+  out = ml_collections.ConfigDict(defaults)
+  for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+    key, eq, value = token.partition("=")
+    if not eq:
+      if isinstance(defaults.get(key), bool):
+        out[key] = True
+        continue
+      if positional is None:
+        raise ValueError(f"config arg {token!r} is not a known switch; known: {sorted(defaults)}")
+      key, value = positional, token
+    if key not in defaults:
+      raise ValueError(f"unknown config arg {key!r}; known: {sorted(defaults)}")
+    kind = type(defaults[key])
+    if kind is bool:
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"config arg {key}={value!r} must be true or false")
+      out[key] = value.lower() in ("true", "1")
+    else:
+      out[key] = kind(value) if defaults[key] is not None else value
+  return out
+
+
+def load_config_file(path_and_arg: str) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file given as 'path.py' or 'path.py:arg' (what --config takes)."""
+  path, _, arg = path_and_arg.partition(":")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config file {path!r} does not exist")
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def apply_hardware(config: ml_collections.ConfigDict, name: str) -> None:
+  """Set mesh, global batch and micro batches from a HARDWARE preset."""
+  if name not in HARDWARE:
+    raise ValueError(f"unknown hardware preset {name!r}; known: {sorted(HARDWARE)}")
+  mesh, batch, micro = HARDWARE[name]
+  config.mesh.update(mesh)
+  config.batch_size, config.micro_batches = batch, micro
+
+
+def _require(ok: bool, field: str, value, why: str) -> None:
+  if not ok:
+    raise ValueError(f"config.{field}={value!r}: {why}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raise ValueError naming the first bad field."""
+  _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
+  _require(c.batch_size > 0, "batch_size", c.batch_size, "must be positive")
+  _require(c.micro_batches > 0 and c.batch_size % c.micro_batches == 0, "micro_batches", c.micro_batches,
+           f"must be positive and divide batch_size={c.batch_size}")
+  _require(c.block_size > 0, "block_size", c.block_size, "must be positive")
+  _require(c.data.seq_len > c.block_size, "data.seq_len", c.data.seq_len, f"must exceed block_size={c.block_size}")
+  _require(c.model.path is not None or c.model.preset is not None, "model.path", c.model.path,
+           "set model.path (HF or converted directory) or model.preset (random init)")
+  _require(not (c.model.path and c.model.synthetic), "model.synthetic", c.model.synthetic,
+           "a synthetic checkpoint replaces model.path; set only one")
+  _require(c.finetune in ("lora", "full"), "finetune", c.finetune, "must be 'lora' or 'full'")
+  _require(c.schedule.kind in ("monotone", "random"), "schedule.kind", c.schedule.kind,
+           "must be 'monotone' (reference) or 'random' (ablation)")
+  _require(0.0 < c.schedule.low <= c.schedule.high <= 1.0, "schedule.low", (c.schedule.low, c.schedule.high),
+           "need 0 < low <= high <= 1")
+  _require(c.loss_chunk >= 0 and (c.loss_chunk == 0 or c.data.seq_len % c.loss_chunk == 0), "loss_chunk",
+           c.loss_chunk, f"must be 0 or divide data.seq_len={c.data.seq_len}")
+  _require(c.data.path is not None or c.model.synthetic, "data.path", None,
+           "a question/answer file is required (or model.synthetic=True for generated data)")
+  _require(c.data.eval_examples >= 0, "data.eval_examples", c.data.eval_examples, "must be >= 0")
+  for axis in MESH_AXES:
+    size = c.mesh.get(axis)
+    _require(isinstance(size, int) and (size > 0 or size == -1), f"mesh.{axis}", size, "must be a positive int or -1")
+  _require(sum(c.mesh[a] == -1 for a in MESH_AXES) <= 1, "mesh", dict(c.mesh), "at most one axis may be -1")
+  extra = sorted(set(c.mesh) - set(MESH_AXES))
+  _require(not extra, "mesh", dict(c.mesh), f"unknown axes {extra}; axes are {MESH_AXES}")
+  _require(c.distributed in ("auto", "on", "off"), "distributed", c.distributed, "must be 'auto', 'on' or 'off'")
+  _require(c.checkpoint.every > 0 and c.checkpoint.keep > 0, "checkpoint.every", c.checkpoint.every,
+           "checkpoint.every and checkpoint.keep must be positive")
+  _require(c.log_every > 0 and c.eval_every > 0, "log_every", c.log_every, "log_every and eval_every must be positive")
+  for field in ("lr", "eps", "clip"):
+    _require(c.optim[field] > 0, f"optim.{field}", c.optim[field], "must be positive")
+  _require(c.optim.warmup_steps >= 0 and c.optim.weight_decay >= 0, "optim.warmup_steps", c.optim.warmup_steps,
+           "warmup_steps and weight_decay must be >= 0")

@@ -1,0 +1,186 @@
+"""Question/answer data -> fixed-length token rows with per-row prompt lengths, through grain.
+
+A row is chat_template(user question, generation prompt) + answer + EOS, truncated to `seq_len` and right
+padded with EOS (padding is response: the student learns to stop). Sources are pluggable (`SOURCES`): each
+returns `Examples`; the grain pipeline on top shards by host, reshuffles every epoch by seed, batches, and
+exposes an iterator whose position is a small JSON dict saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Callable
+
+import grain
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Examples:
+  tokens: np.ndarray  # [N, T] int32
+  prompt_len: np.ndarray  # [N] int32
+
+  def __post_init__(self):
+    if self.tokens.ndim != 2 or self.prompt_len.shape != self.tokens.shape[:1]:
+      raise ValueError(f"Examples need tokens [N, T] and prompt_len [N], got {self.tokens.shape} and "
+                       f"{self.prompt_len.shape}")
+    if len(self.prompt_len) and not ((self.prompt_len >= 0) & (self.prompt_len < self.tokens.shape[1])).all():
+      raise ValueError(f"every prompt_len must lie in [0, {self.tokens.shape[1]}) so each row has a response")
+
+  def __len__(self) -> int:
+    return len(self.prompt_len)
+
+  def __getitem__(self, index: int) -> dict:
+    return {"tokens": self.tokens[index], "prompt_len": self.prompt_len[index]}
+
+  def slice(self, start: int, stop: int | None = None) -> "Examples":
+    return Examples(self.tokens[start:stop], self.prompt_len[start:stop])
+
+
+def read_jsonl(path: str, question_field: str, answer_field: str) -> list[tuple[str, str]]:
+  """(question, answer) pairs of a JSONL file; errors name the line and the missing field."""
+  pairs = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{number}: not valid JSON ({e})") from e
+      for field in (question_field, answer_field):
+        if not isinstance(record.get(field), str):
+          raise ValueError(f"{path}:{number}: field {field!r} missing or not a string (fields: {sorted(record)}); "
+                           "set config.data.question_field / answer_field")
+      pairs.append((record[question_field], record[answer_field]))
+  if not pairs:
+    raise ValueError(f"{path}: no examples")
+  return pairs
+
+
+def tokenize_pairs(pairs, tokenizer, seq_len: int, eos_id: int) -> Examples:
+  """Chat-templated prompt + answer + EOS, truncated / EOS-padded to `seq_len`. Rows whose prompt leaves no
+  room for a response are dropped (and counted in the log)."""
+  tokens = np.full((len(pairs), seq_len), eos_id, np.int32)
+  prompt_len = np.zeros((len(pairs),), np.int32)
+  kept = 0
+  for question, answer in pairs:
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+    if len(prompt) >= seq_len:
+      continue
+    row = (prompt + list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [eos_id])[:seq_len]
+    tokens[kept, :len(row)] = row
+    prompt_len[kept] = len(prompt)
+    kept += 1
+  if kept < len(pairs):
+    log.warning("dropped %d of %d examples whose prompt fills seq_len=%d", len(pairs) - kept, len(pairs), seq_len)
+  return Examples(tokens[:kept], prompt_len[:kept])
+
+
+def _cache_key(path: str, data_cfg, tokenizer_dir: str) -> str:
+  stat = os.stat(path)
+  text = json.dumps([os.path.abspath(path), stat.st_size, stat.st_mtime_ns, data_cfg.seq_len, data_cfg.question_field,
+                     data_cfg.answer_field, os.path.abspath(tokenizer_dir)])
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def jsonl_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, cache_dir: str | None) -> Examples:
+  """Tokenized JSONL, cached as .npz under `cache_dir` (keyed by file, tokenizer and settings)."""
+  cache = os.path.join(cache_dir, f"{_cache_key(path, data_cfg, tokenizer_dir)}.npz") if cache_dir else None
+  if cache and os.path.exists(cache):
+    with np.load(cache) as z:
+      return Examples(z["tokens"], z["prompt_len"])
+  from d2f_jax.api import load_tokenizer
+  tokenizer = load_tokenizer(tokenizer_dir)
+  if tokenizer is None:
+    raise FileNotFoundError(f"no tokenizer in {tokenizer_dir!r}; set config.data.tokenizer")
+  examples = tokenize_pairs(read_jsonl(path, data_cfg.question_field, data_cfg.answer_field), tokenizer,
+                            data_cfg.seq_len, eos_id)
+  if cache:
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{cache}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, tokens=examples.tokens, prompt_len=examples.prompt_len)
+    os.replace(tmp, cache)
+  return examples
+
+
+def npz_source(path: str, data_cfg, **_) -> Examples:
+  """Pre-tokenized rows: an .npz with `tokens` [N, seq_len] and `prompt_len` [N]."""
+  with np.load(path) as z:
+    if "tokens" not in z or "prompt_len" not in z:
+      raise ValueError(f"{path}: an npz source needs arrays 'tokens' and 'prompt_len', found {sorted(z)}")
+    examples = Examples(z["tokens"].astype(np.int32), z["prompt_len"].astype(np.int32))
+  if examples.tokens.shape[1] != data_cfg.seq_len:
+    raise ValueError(f"{path}: rows have length {examples.tokens.shape[1]}, config.data.seq_len={data_cfg.seq_len}")
+  return examples
+
+
+SOURCES: dict[str, Callable[..., Examples]] = {"jsonl": jsonl_source, "npz": npz_source}
+
+
+def register_source(name: str, fn: Callable[..., Examples]) -> None:
+  """Add a data source: fn(path, data_cfg, *, tokenizer_dir, eos_id, cache_dir) -> Examples."""
+  SOURCES[name] = fn
+
+
+def load_examples(data_cfg, *, tokenizer_dir: str, eos_id: int, cache_dir: str | None) -> tuple[Examples, Examples]:
+  """(train, eval) examples; eval is `eval_path` or the last `eval_examples` rows of `path`."""
+  if data_cfg.source not in SOURCES:
+    raise ValueError(f"config.data.source={data_cfg.source!r} is unknown; known: {sorted(SOURCES)}")
+  read = lambda p: SOURCES[data_cfg.source](p, data_cfg, tokenizer_dir=tokenizer_dir, eos_id=eos_id,  # noqa: E731
+                                            cache_dir=cache_dir)
+  train = read(data_cfg.path)
+  if data_cfg.eval_path:
+    return train, read(data_cfg.eval_path)
+  held = data_cfg.eval_examples
+  if held == 0:
+    return train, train.slice(0, 0)
+  if held >= len(train):
+    raise ValueError(f"config.data.eval_examples={held} leaves no training data ({len(train)} examples)")
+  return train.slice(0, len(train) - held), train.slice(len(train) - held)
+
+
+def _host_shard(examples: Examples) -> grain.MapDataset:
+  """This process's equal share of the rows (the remainder is left out so all hosts step together)."""
+  count = jax.process_count()
+  usable = len(examples) // count * count
+  return grain.MapDataset.source(examples)[jax.process_index():usable:count]
+
+
+def train_dataset(examples: Examples, local_batch: int, seed: int, prefetch: int = 2) -> grain.IterDataset:
+  """Endless batches of this host's rows, reshuffled each epoch (deterministic in seed and epoch)."""
+  ds = _host_shard(examples)
+  if len(ds) < local_batch:
+    raise ValueError(f"{len(ds)} training rows per host cannot fill a per-host batch of {local_batch}")
+  ds = ds.shuffle(seed=seed).repeat(None).batch(local_batch, drop_remainder=True)
+  return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
+
+
+def eval_batches(examples: Examples, local_batch: int, max_batches: int) -> list[dict]:
+  """Fixed eval batches of this host's rows, in file order."""
+  ds = _host_shard(examples).batch(local_batch, drop_remainder=True)
+  return [ds[i] for i in range(min(len(ds), max_batches))]
+
+
+class DataIterator:
+  """A grain iterator with a checkpointable position."""
+
+  def __init__(self, dataset: grain.IterDataset):
+    self._it = iter(dataset)
+
+  def __next__(self) -> dict:
+    return next(self._it)
+
+  def get_state(self) -> dict:
+    return self._it.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self._it.set_state(state)

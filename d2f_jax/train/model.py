@@ -1,0 +1,136 @@
+"""Teacher and student as one static description plus two parameter trees, placed straight onto the mesh.
+
+LoRA mode: `frozen` holds the base weights once; the teacher is the base graph over them and the student
+the LoRA graph over them plus the trainable adapter. Full fine-tune: the student is a trainable (fp32)
+copy of the frozen teacher. Every tree is a pure dict in the layout of `nnx.state(Transformer)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from d2f_jax import convert
+from d2f_jax.models import LoraConfig, ModelConfig, Transformer, preset
+from d2f_jax.train import sharding
+
+BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillModels:
+  """The static half of teacher + student (configs and graphs); hashable, so a jit static argument."""
+
+  config: ModelConfig
+  lora: LoraConfig | None  # None: full fine-tune
+  train_dtype: str
+  teacher_graph: Any
+  student_graph: Any
+
+  @classmethod
+  def create(cls, config: ModelConfig, lora: LoraConfig | None, train_dtype: str = "float32") -> "DistillModels":
+    teacher_graph = nnx.split(_abstract(config, None))[0]
+    student_graph = nnx.split(_abstract(config, lora), BASE, nnx.LoRAParam)[0] if lora else teacher_graph
+    return cls(config, lora, train_dtype, teacher_graph, student_graph)
+
+  def abstract_frozen(self) -> nnx.State:
+    """Base parameters as ShapeDtypeStruct Variables (with their logical axes)."""
+    return nnx.state(_abstract(self.config, None), nnx.Param)
+
+  def abstract_trainable(self) -> nnx.State:
+    """The adapter (LoRA) or the whole student (full), in `train_dtype`."""
+    source = nnx.state(_abstract(self.config, self.lora), nnx.LoRAParam) if self.lora else self.abstract_frozen()
+    dtype = jnp.dtype(self.train_dtype)
+    return jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, dtype)), source,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  def modules(self, trainable: dict, frozen: dict) -> tuple[Transformer, Transformer]:
+    """(teacher, student) modules over the given arrays; no copies are made."""
+    teacher = nnx.merge(self.teacher_graph, frozen)
+    student = nnx.merge(self.student_graph, frozen, trainable) if self.lora else \
+        nnx.merge(self.teacher_graph, trainable)
+    return teacher, student
+
+
+def _abstract(config: ModelConfig, lora: LoraConfig | None) -> Transformer:
+  return nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
+
+
+def _pure_abstract(state: nnx.State) -> dict:
+  return nnx.to_pure_dict(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state,
+                                      is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def model_config(model_cfg) -> ModelConfig:
+  """ModelConfig of the base: read from `model.path` (HF or converted) or a preset, in `model.dtype`."""
+  if model_cfg.path:
+    path = os.fspath(model_cfg.path)
+    if not os.path.isdir(path):
+      raise FileNotFoundError(f"config.model.path={path!r} is not a directory")
+    if convert.is_converted_dir(path):
+      config, lora, _ = convert.read_converted_meta(path)
+      if lora is not None:
+        raise ValueError(f"config.model.path={path!r} carries a LoRA adapter; distil from a merged base "
+                         "(python -m d2f_jax.convert ... --merge)")
+    else:
+      config, _ = convert.read_hf_config(path)
+  elif model_cfg.preset:
+    config = preset(model_cfg.preset)
+  else:
+    raise ValueError("config.model.path or config.model.preset must be set")
+  return config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype)
+
+
+def load_frozen(models: DistillModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
+  """Base parameters laid out with `shardings`: restored from a converted directory, streamed from an HF
+  checkpoint, or (no path) randomly initialised on the devices."""
+  dtype = models.config.param_dtype
+  if path is None:
+    def init():
+      return nnx.to_pure_dict(nnx.state(Transformer(models.config, None, rngs=nnx.Rngs(seed)), nnx.Param))
+    return jax.jit(init, out_shardings=shardings)()
+  target = sharding.abstract_with(_pure_abstract(models.abstract_frozen()), shardings)
+  if convert.is_converted_dir(path):
+    _, params, _, _ = convert.restore_converted(path, target=target)
+    return jax.tree.map(lambda x, t: x.astype(t.dtype) if x.dtype != t.dtype else x, params, target)
+  _, params = convert.load_hf_params(path, dtype=dtype, progress=progress and jax.process_index() == 0)
+  return sharding.host_to_global(params, shardings)
+
+
+def init_trainable(models: DistillModels, frozen: dict, seed: int) -> dict:
+  """Fresh trainable parameters (traced; call inside jit): PEFT-style LoRA (B = 0, so the student starts as
+  the teacher) or a `train_dtype` copy of the base."""
+  dtype = jnp.dtype(models.train_dtype)
+  if models.lora is None:
+    return jax.tree.map(lambda x: x.astype(dtype), frozen)
+  model = Transformer(models.config, models.lora, rngs=nnx.Rngs(seed))  # base weights unused: compiled away
+  return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
+
+
+def gather_to_host(tree) -> Any:
+  """Numpy copy of a (possibly multi-host sharded) tree on every process."""
+  from jax.experimental import multihost_utils
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+  return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def export_student(out_dir: str, models: DistillModels, trainable: dict, *, base_dir: str | None = None) -> str | None:
+  """The trained student in the PyTorch ecosystem's format: a PEFT adapter directory (LoRA) or a Hugging Face
+  checkpoint in the base's dtype with its tokenizer (full fine-tune). All processes gather, process 0 writes."""
+  host = gather_to_host(trainable)
+  if jax.process_index() != 0:
+    return None
+  if models.lora is not None:
+    return convert.export_peft_adapter(out_dir, models.config, models.lora, host, base_model_name_or_path=base_dir,
+                                       overwrite=True)
+  hf_config = os.path.join(base_dir, "config.json") if base_dir else None
+  return convert.export_hf(out_dir, models.config, host, dtype=models.config.param_dtype, aux_dir=base_dir,
+                           hf_config_json=hf_config if hf_config and os.path.isfile(hf_config) else None,
+                           overwrite=True)

@@ -1,0 +1,122 @@
+"""The jitted train and eval steps.
+
+One step: split the RNG, noise the whole batch once, then scan over microbatches summing gradients of the
+*summed* weighted CE and the masked count; dividing at the end makes the update identical to the one of the
+whole batch at once (and to any data / fsdp split of it), whatever `micro_batches` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from d2f_jax.train import sharding
+from d2f_jax.train.loss import distill_sums
+from d2f_jax.train.masking import Noised, noise_batch
+from d2f_jax.train.model import DistillModels
+from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
+from d2f_jax.train.schedule import Schedule
+from d2f_jax.train.state import TrainState, state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """Everything static about a step; hashable, so equal specs share one compiled program."""
+
+  models: DistillModels
+  schedule: Schedule
+  optim: OptimSpec
+  block_size: int
+  micro_batches: int = 1
+  loss_chunk: int = 0
+  batch_sharding: NamedSharding | None = None  # rows of each microbatch inside the step
+
+
+def _microbatches(tree, m: int, batch_sharding):
+  """[B, ...] -> [M, B/M, ...] taking every M-th row, so each microbatch is spread over all batch shards."""
+  def split(x):
+    y = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+    if batch_sharding is not None:
+      spec = batch_sharding.spec
+      y = jax.lax.with_sharding_constraint(
+          y, NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(None, spec[0], *([None] * (y.ndim - 2)))))
+    return y
+  return jax.tree.map(split, tree)
+
+
+def _dropout_key(spec: StepSpec, key, index):
+  lora = spec.models.lora
+  return None if lora is None or lora.dropout == 0.0 else jax.random.fold_in(key, index)
+
+
+def loss_and_grads(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array):
+  """(grads of the mean loss, sums) for one batch {'tokens' [B, T], 'prompt_len' [B]}."""
+  noise_key, dropout_key = jax.random.split(key)
+  tokens, prompt_len = batch["tokens"], batch["prompt_len"]
+  noised = noise_batch(noise_key, tokens, prompt_len, block_size=spec.block_size, schedule=spec.schedule,
+                       mask_token_id=spec.models.config.mask_token_id)
+
+  def sums_fn(params, noised: Noised, prompt_len, index):
+    teacher, student = spec.models.modules(params, frozen)
+    sums = distill_sums(teacher, student, noised, prompt_len, block_size=spec.block_size,
+                        dropout_key=_dropout_key(spec, dropout_key, index), chunk=spec.loss_chunk)
+    return sums["ce"], sums
+
+  grad_fn = jax.grad(sums_fn, has_aux=True)
+  if spec.micro_batches == 1:
+    grads, sums = grad_fn(trainable, noised, prompt_len, 0)
+  else:
+    micro = _microbatches((noised, prompt_len), spec.micro_batches, spec.batch_sharding)
+
+    def body(carry, xs):
+      index, (mb_noised, mb_prompt_len) = xs
+      grads, sums = grad_fn(trainable, mb_noised, mb_prompt_len, index)
+      return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, noised, prompt_len, 0))
+    (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(spec.micro_batches), micro))
+  count = jnp.maximum(sums["masked"], 1.0)
+  return jax.tree.map(lambda g: g / count, grads), sums
+
+
+def summarize(sums: dict) -> dict:
+  count = jnp.maximum(sums["masked"], 1.0)
+  return {"loss": sums["ce"] / count, "kl": sums["kl"] / count,
+          "mask_rate": sums["masked"] / jnp.maximum(sums["response"], 1.0)}
+
+
+def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
+  rng, key = jax.random.split(state.rng)
+  grads, sums = loss_and_grads(spec, state.params, frozen, batch, key)
+  opt = make_optimizer(spec.optim)
+  updates, opt_state = opt.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {**summarize(sums), "grad_norm": optax.tree.norm(grads), "lr": learning_rate(spec.optim)(state.step)}
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
+
+
+def eval_sums(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array) -> dict:
+  """Loss sums of the student without dropout on a batch noised with `key` (fixed per eval batch)."""
+  noised = noise_batch(key, batch["tokens"], batch["prompt_len"], block_size=spec.block_size, schedule=spec.schedule,
+                       mask_token_id=spec.models.config.mask_token_id)
+  teacher, student = spec.models.modules(trainable, frozen)
+  return distill_sums(teacher, student, noised, batch["prompt_len"], block_size=spec.block_size,
+                      chunk=spec.loss_chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_train_step(spec: StepSpec, mesh: Mesh, rules: sharding.Rules):
+  """jit(train_step) with the state donated and laid out on `mesh`; cached per (spec, mesh, rules)."""
+  shardings = state_shardings(spec.models, spec.optim, mesh, rules)
+  return jax.jit(functools.partial(train_step, spec), donate_argnums=0,
+                 out_shardings=(shardings, sharding.replicated(mesh)))
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_eval(spec: StepSpec, mesh: Mesh):
+  return jax.jit(functools.partial(eval_sums, spec), out_shardings=sharding.replicated(mesh))

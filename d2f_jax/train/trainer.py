@@ -1,0 +1,217 @@
+"""The distillation run: set up mesh, models, data and state from a config, then loop.
+
+    trainer = Trainer(config, workdir)   # restores the latest checkpoint in workdir, if any
+    history = trainer.run()              # to config.total_steps; saves, evaluates, exports the adapter
+
+Everything that can resume does: the state and the data position come back from the newest checkpoint, and
+the run continues with the same losses it would have had without the interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from d2f_jax.models import LoraConfig
+from d2f_jax.train import config as config_lib
+from d2f_jax.train import data as data_lib
+from d2f_jax.train import metrics as metrics_lib
+from d2f_jax.train import sharding
+from d2f_jax.train.checkpoint import Checkpointer, StopSignal
+from d2f_jax.train.model import DistillModels, export_student, load_frozen, model_config
+from d2f_jax.train.optim import OptimSpec
+from d2f_jax.train.schedule import Schedule
+from d2f_jax.train.state import abstract_state, create_state
+from d2f_jax.train.step import StepSpec, compiled_eval, compiled_train_step, summarize
+from d2f_jax.train.synthetic import ensure_synthetic
+
+log = logging.getLogger(__name__)
+
+
+def _rules(config) -> sharding.Rules:
+  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
+               for name, axes in config.logical_axis_rules)
+
+
+def lora_config(config) -> LoraConfig | None:
+  if config.finetune != "lora":
+    return None
+  c = config.lora
+  return LoraConfig(rank=c.rank, alpha=float(c.alpha), dropout=float(c.dropout), targets=tuple(c.targets),
+                    use_rslora=c.use_rslora)
+
+
+class Trainer:
+  """One distillation run in `workdir`: models on the mesh, data, state (fresh or restored), writers."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    config_lib.validate(config)
+    sharding.maybe_initialize_distributed(config.distributed)
+    self.config, self.workdir = config, os.path.abspath(workdir)
+    self.is_main = jax.process_index() == 0
+    os.makedirs(self.workdir, exist_ok=True)
+    if self.is_main:
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    self.mesh = sharding.make_mesh(config.mesh)
+    self.rules = _rules(config)
+    self.model_path, data_path = self._paths()
+    self._setup_models()
+    self._setup_data(data_path)
+    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
+                                     keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    self._setup_state()
+    self.writer = metrics_lib.Writer(self.workdir)
+    self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
+                                                             self.models.lora)
+    self.peak_flops = metrics_lib.peak_flops_per_device(config.peak_flops)
+
+  def _paths(self) -> tuple[str | None, str | None]:
+    """(model dir, data file): the config's, or a synthetic pair written once into the workdir."""
+    c = self.config
+    if not c.model.synthetic:
+      return c.model.path, c.data.path
+    directory = os.path.join(self.workdir, "synthetic")
+    base = model_config(c.model)
+    if self.is_main:
+      ensure_synthetic(directory, base, num_examples=c.data.synthetic_examples, seed=c.seed)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("d2f_jax synthetic data")
+    model_dir, data_path = ensure_synthetic(directory, base, num_examples=c.data.synthetic_examples, seed=c.seed)
+    return model_dir, c.data.path or data_path
+
+  def _setup_models(self) -> None:
+    c = self.config
+    model_cfg = ml_collections.ConfigDict(dict(path=self.model_path, preset=c.model.preset, dtype=c.model.dtype))
+    self.models = DistillModels.create(model_config(model_cfg), lora_config(c), c.train_dtype)
+    frozen_shardings = sharding.state_shardings(self.models.abstract_frozen(), self.mesh, self.rules)
+    self.frozen = load_frozen(self.models, self.model_path, c.seed, frozen_shardings, progress=c.progress_bar)
+    self.spec = StepSpec(models=self.models, schedule=Schedule(**c.schedule.to_dict()),
+                         optim=OptimSpec.from_config(c.optim), block_size=c.block_size,
+                         micro_batches=c.micro_batches, loss_chunk=c.loss_chunk,
+                         batch_sharding=sharding.batch_sharding(self.mesh, self.rules))
+
+  def _setup_data(self, data_path: str | None) -> None:
+    c = self.config
+    if c.batch_size % jax.process_count():
+      raise ValueError(f"config.batch_size={c.batch_size} must be a multiple of the {jax.process_count()} hosts")
+    local_batch = c.batch_size // jax.process_count()
+    data_cfg = c.data.copy_and_resolve_references()
+    with data_cfg.unlocked():
+      data_cfg.path = data_path
+    train, held_out = data_lib.load_examples(data_cfg, tokenizer_dir=c.data.tokenizer or self.model_path,
+                                             eos_id=self.models.config.eos_token_id,
+                                             cache_dir=os.path.join(self.workdir, "data_cache"))
+    self.data = data_lib.DataIterator(data_lib.train_dataset(train, local_batch, c.seed, c.data.prefetch))
+    self.eval_data = data_lib.eval_batches(held_out, local_batch, c.eval_batches)
+
+  def _setup_state(self) -> None:
+    """The newest checkpoint's state and data position, or a fresh state; both land in their shardings."""
+    latest = self.checkpointer.latest_step()
+    if latest is None:
+      self.state = create_state(self.models, self.spec.optim, self.frozen, self.config.seed, self.mesh, self.rules)
+      return
+    target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
+    self.state, data_state = self.checkpointer.restore(latest, target)
+    self.data.set_state(data_state)
+    log.info("restored step %d from %s", latest, self.checkpointer.directory)
+
+  @property
+  def step(self) -> int:
+    return int(jax.device_get(self.state.step))
+
+  def global_batch(self, local: dict) -> dict:
+    """Host-local numpy rows -> global arrays split over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(
+        sharding.batch_sharding(self.mesh, self.rules, np.ndim(v)), np.asarray(v, np.int32)) for k, v in local.items()}
+
+  def evaluate(self) -> dict:
+    """Student loss / KL on the held-out batches, each noised with its own fixed key."""
+    if not self.eval_data:
+      return {}
+    fn = compiled_eval(self.spec, self.mesh)
+    key = jax.random.PRNGKey(self.config.seed + 2)
+    totals = None
+    for i, local in enumerate(self.eval_data):
+      sums = fn(self.state.params, self.frozen, self.global_batch(local), jax.random.fold_in(key, i))
+      totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    return {f"eval_{k}": float(v) for k, v in jax.device_get(summarize(totals)).items()}
+
+  def modules(self):
+    """(teacher, student) over the current parameters, e.g. for logits or decoding."""
+    return self.models.modules(self.state.params, self.frozen)
+
+  def export(self, out_dir: str | None = None) -> str | None:
+    """The student for PyTorch: a PEFT adapter (default <workdir>/adapter) or, after a full fine-tune, a
+    Hugging Face checkpoint (default <workdir>/hf)."""
+    out_dir = out_dir or os.path.join(self.workdir, "adapter" if self.models.lora else "hf")
+    return export_student(out_dir, self.models, self.state.params, base_dir=self.model_path)
+
+  def run(self, num_steps: int | None = None) -> list[dict]:
+    """Train to config.total_steps (or only `num_steps` more, without the final save: a simulated crash).
+
+    Returns the logged metrics, one dict per logged step."""
+    c = self.config
+    start = self.step
+    end = c.total_steps if num_steps is None else min(c.total_steps, start + num_steps)
+    step_fn = compiled_train_step(self.spec, self.mesh, self.rules)
+    stop = StopSignal() if jax.process_count() == 1 else None
+    tokens_per_step = c.batch_size * c.data.seq_len
+    history: list[dict] = []
+    bar = tqdm(total=end, initial=start, desc="distill", disable=not (c.progress_bar and self.is_main),
+               dynamic_ncols=True)
+    if start == 0 and self.eval_data:  # the undistilled student: the baseline every later eval compares to
+      baseline = self.evaluate()
+      history.append({"step": 0, **baseline})
+      self.writer.scalars(0, baseline)
+    last_time, last_step = time.perf_counter(), start
+    try:
+      for step in range(start + 1, end + 1):
+        self.state, metrics = step_fn(self.state, self.frozen, self.global_batch(next(self.data)))
+        bar.update(1)
+        record = {}
+        if step % c.log_every == 0 or step == end:
+          record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          now = time.perf_counter()
+          record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
+          if self.peak_flops:
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * jax.device_count())
+          last_time, last_step = now, step
+          bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                          mfu=f"{record.get('mfu', 0.0):.1%}")
+        if self.eval_data and (step % c.eval_every == 0 or step == c.total_steps):
+          record.update(self.evaluate())
+          last_time = time.perf_counter()  # evaluation is not training throughput
+        if record:
+          history.append({"step": step, **record})
+          self.writer.scalars(step, record)
+        preempted = (stop is not None and stop.requested) or self.checkpointer.reached_preemption(step)
+        self.checkpointer.save(step, self.state, self.data.get_state(), force=preempted or step == c.total_steps)
+        if preempted:
+          log.warning("stopping at step %d after a preemption notice (checkpoint saved)", step)
+          break
+      self.checkpointer.wait()
+      if self.step == c.total_steps and c.export:
+        self.export()
+    finally:
+      bar.close()
+      self.writer.flush()
+      if stop is not None:
+        stop.restore()
+    if self.is_main and history:
+      with open(os.path.join(self.workdir, "history.jsonl"), "a") as f:
+        f.writelines(json.dumps(h) + "\n" for h in history)
+    return history
+
+  def close(self) -> None:
+    self.checkpointer.wait()
+    self.checkpointer.close()
+    self.writer.close()
