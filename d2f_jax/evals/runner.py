@@ -1,0 +1,191 @@
+"""Run a benchmark end to end: prompts -> batched `generate` -> score, with the paper's speed measures.
+
+Speed is measured the way the paper reports it: tokens per second = generated tokens (up to and
+including the stop token, as `d2f_jax.generate` counts them) over the wall time of the `generate` calls,
+tokens per forward = generated tokens over model forwards, and latency per sample. The paper's setting is
+batch 1; larger batches are allowed and say so in the results. Compilation is kept out of the timing by
+warm-up calls (one per distinct prompt shape by default); a timed call that still compiled is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from d2f_jax.decode import DecodeConfig, generate, trace_count
+from d2f_jax.evals.data import write_json, write_jsonl
+from d2f_jax.evals.gsm8k import Gsm8kTask
+from d2f_jax.evals.humaneval import HumanEvalTask
+
+TASKS = {"gsm8k": Gsm8kTask, "humaneval": HumanEvalTask}
+WARMUPS = ("shapes", "first", "none")
+
+
+def make_task(name: str, **options):
+  """A task by name with its options (e.g. n_shot for gsm8k, sandbox for humaneval)."""
+  if name not in TASKS:
+    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+  return TASKS[name](**options)
+
+
+def _stderr(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def encode_prompts(model, items: list[dict], *, chat: bool = False, add_bos: bool = False) -> list[list[int]]:
+  bos = getattr(model.config, "bos_token_id", None)
+  if add_bos and bos is None:
+    raise ValueError("add_bos=True but the model config has no bos_token_id")
+  prompts = []
+  for item in items:
+    ids = list(model.encode(item["prompt"], chat=chat))
+    if add_bos and (not ids or ids[0] != bos):
+      ids = [bos] + ids
+    if not ids:
+      raise ValueError(f"prompt of {item['id']} encodes to no tokens")
+    prompts.append(ids)
+  return prompts
+
+
+def decode_continuation(model, prompt: list[int], generated: list[int]) -> str:
+  """Text of `generated` as it reads after `prompt`.
+
+  Decoding the pair and cutting off the prompt's text keeps what a lone decode can lose at the seam
+  (a SentencePiece leading space, which is a code indent for HumanEval); falls back to a lone decode.
+  Tokenization-space clean-up stays off: it rewrites " ." and " '" inside code.
+  """
+  tokenizer = getattr(model, "tokenizer", None)
+  if tokenizer is None:
+    return model.decode(generated)
+  text = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True,  # noqa: E731
+                                      clean_up_tokenization_spaces=False)
+  head, whole = text(prompt), text(list(prompt) + list(generated))
+  return whole[len(head):] if whole.startswith(head) else text(generated)
+
+
+def _warmup_batches(batches: list[list[int]], prompts, config: DecodeConfig, mode: str) -> list[int]:
+  """Indices of the batches to run untimed first: one per distinct (rows, padded length) shape."""
+  if mode == "none" or not batches:
+    return []
+  if mode == "first":
+    return [0]
+  first_of_shape: dict[tuple[int, int], int] = {}
+  for b, rows in enumerate(batches):
+    shape = (len(rows), config.bucket(max(len(prompts[i]) for i in rows)))
+    first_of_shape.setdefault(shape, b)
+  return sorted(first_of_shape.values())
+
+
+def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, limit: int | None = None,
+                  chat: bool = False, add_bos: bool = False, warmup: str = "shapes", seed: int = 0,
+                  out_dir: str | None = None, log: Callable[[str], None] | None = _stderr) -> dict:
+  """Generate for every item of `task`, score, time, and (with `out_dir`) write results.json + samples.jsonl.
+
+  model: a LoadedModel (anything with .config, .graphdef, .state, .encode, .decode). warmup: 'shapes'
+  (one untimed call per distinct prompt shape, so no compile is timed), 'first' (the first batch only)
+  or 'none'. Returns the results dict that results.json holds.
+  """
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  if warmup not in WARMUPS:
+    raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
+  log = log or (lambda message: None)
+  items = task.load(limit)
+  prompts = encode_prompts(model, items, chat=chat, add_bos=add_bos)
+  batches = [list(range(i, min(i + batch_size, len(items)))) for i in range(0, len(items), batch_size)]
+  key = jax.random.key(seed)
+  call = lambda b: generate(model, [prompts[i] for i in batches[b]], config,  # noqa: E731
+                            key=jax.random.fold_in(key, b))
+
+  warm = _warmup_batches(batches, prompts, config, warmup)
+  start = time.perf_counter()
+  for b in warm:
+    jax.block_until_ready(call(b))
+  warmup_seconds = time.perf_counter() - start
+  if warm:
+    log(f"[{task.name}] warm-up: {len(warm)} untimed batch(es) in {warmup_seconds:.1f}s (compilation)")
+
+  ids: list[list[int]] = [[] for _ in items]
+  forwards = np.zeros(len(items), np.int64)
+  latency = np.zeros(len(items))
+  batch_of = np.zeros(len(items), np.int64)
+  batch_seconds, compiled_batches = [], 0
+  report_every = max(1, len(batches) // 10)
+  for b, rows in enumerate(batches):
+    traces = trace_count("loop")
+    start = time.perf_counter()
+    result = jax.block_until_ready(call(b))
+    seconds = time.perf_counter() - start
+    compiled_batches += trace_count("loop") > traces
+    batch_seconds.append(seconds)
+    for row, tokens, f in zip(rows, result.to_lists(), np.asarray(result.forwards)):
+      ids[row], forwards[row], latency[row], batch_of[row] = tokens, int(f), seconds, b
+    if (b + 1) % report_every == 0 or b + 1 == len(batches):
+      done = rows[-1] + 1
+      tokens_so_far = sum(len(ids[i]) for i in range(done))
+      log(f"[{task.name}] {done}/{len(items)} samples, {tokens_so_far / sum(batch_seconds):.1f} tokens/s")
+
+  generations = [decode_continuation(model, prompts[i], t) for i, t in enumerate(ids)]
+  records = task.score(items, generations)
+  samples = []
+  for i, (item, text, record) in enumerate(zip(items, generations, records)):
+    kept_tokens = len(model.encode(record["kept"])) if record["kept"].strip() else 0
+    samples.append({"id": item["id"], "prompt_tokens": len(prompts[i]), "generation": text, **record,
+                    "tokens": len(ids[i]), "kept_tokens": kept_tokens, "forwards": int(forwards[i]),
+                    "batch": int(batch_of[i]), "latency_s": round(float(latency[i]), 6)})
+
+  results = summarize(model, task, config, samples, batch_seconds, batch_size=batch_size, limit=limit,
+                      chat=chat, add_bos=add_bos, seed=seed, warmup=dict(mode=warmup, batches=len(warm),
+                      seconds=round(warmup_seconds, 3), compiled_batches_in_timing=compiled_batches))
+  if out_dir is not None:
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(os.path.join(out_dir, "results.json"), results)
+    write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
+    results["files"] = {"results": os.path.join(out_dir, "results.json"),
+                        "samples": os.path.join(out_dir, "samples.jsonl")}
+  speed = results["speed"]
+  log(f"[{task.name}] {task.metric} {results['score']:.2f} ({results['correct']}/{results['total']}), "
+      f"{speed['tokens_per_s'] or 0:.1f} tokens/s, {speed['tokens_per_forward'] or 0:.2f} tokens/forward, "
+      f"{speed['latency_s_mean']:.2f}s latency per sample (batch {batch_size})")
+  return results
+
+
+def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seconds: list[float], *,
+              warmup: dict, **settings) -> dict:
+  """The results.json payload: score, speed, and every setting needed to reproduce the run."""
+  from d2f_jax.bench.report import environment  # jax device facts, shared with the benchmarks
+
+  total = len(samples)
+  correct = sum(bool(s["correct"]) for s in samples)
+  tokens = sum(s["tokens"] for s in samples)
+  kept = sum(s["kept_tokens"] for s in samples)
+  forwards = sum(s["forwards"] for s in samples)
+  seconds = float(sum(batch_seconds))
+  per = lambda n, d: n / d if d > 0 else None  # noqa: E731  (None, not NaN: results.json stays strict JSON)
+  latencies = [s["latency_s"] for s in samples]
+  speed = {
+      "tokens": tokens, "kept_tokens": kept, "forwards": forwards, "generate_seconds": round(seconds, 6),
+      "tokens_per_s": per(tokens, seconds), "kept_tokens_per_s": per(kept, seconds),
+      "tokens_per_forward": per(tokens, forwards), "seconds_per_sample": per(seconds, total),
+      "latency_s_mean": statistics.fmean(latencies), "latency_s_median": statistics.median(latencies),
+      "warmup": warmup,
+  }
+  return {
+      "task": task.name, "metric": task.metric, "score": 100.0 * correct / total, "correct": correct,
+      "total": total, "model": getattr(model, "source", ""), "family": model.config.family,
+      "model_dtype": model.config.dtype, "lora": getattr(model, "lora", None) is not None,
+      "decode": dataclasses.asdict(config), "settings": settings, "task_options": task.options(),
+      "speed": speed, "environment": environment(),
+      "notes": ("score in percent. tokens = generated ids up to and including the stop token over the "
+                "wall time of the timed generate calls (warm-up calls excluded); kept_tokens = the part "
+                "scored after cutting at the task's stop strings, re-encoded (approximate). "
+                "tokens_per_forward = tokens / model forwards summed over samples. latency = wall time "
+                "of the batch a sample was in; the paper reports batch 1."),
+  }

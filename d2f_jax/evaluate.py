@@ -1,0 +1,116 @@
+"""Command line benchmark evaluation: `python -m d2f_jax.evaluate --model PATH --task gsm8k|humaneval ...`.
+
+Loads the model, runs the task with the chosen decoder (d2f by default, the paper's thresholds) and writes
+results.json (score, tokens/s, tokens per forward, latency, every setting) and samples.jsonl (one line
+per problem) to --out. The work is done in d2f_jax/evals/; this file only parses flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from d2f_jax.decode import DREAM_ALGS, METHODS, DecodeConfig
+from d2f_jax.evals.runner import TASKS, WARMUPS
+
+_DEFAULTS = DecodeConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m d2f_jax.evaluate", description=__doc__.split("\n")[0])
+  p.add_argument("--model", required=True, help="HF or converted model directory")
+  p.add_argument("--lora_dir", "--lora", default=None, help="PEFT adapter merged into the model (a D2F student)")
+  p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16")
+  p.add_argument("--task", required=True, choices=sorted(TASKS))
+  p.add_argument("--data", default=None, help="benchmark file (default: ../shared/data/<task file>)")
+  p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+  p.add_argument("--out", default=None, help="output directory (default results/evals/<task>_<method>_<time>)")
+  p.add_argument("--batch_size", type=int, default=1, help="prompts per generate call (the paper uses 1)")
+  p.add_argument("--warmup", default="shapes", choices=WARMUPS,
+                 help="untimed compile calls: one per prompt shape, the first batch only, or none")
+  p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+  p.add_argument("--add_bos", action="store_true", help="prepend the model's BOS id to every prompt")
+  p.add_argument("--seed", type=int, default=0)
+  g = p.add_argument_group("gsm8k")
+  g.add_argument("--n_shot", type=int, default=4)
+  g.add_argument("--fewshot_data", default=None, help="draw exemplars from this GSM8K-format file "
+                 "(seeded) instead of the built-in ones")
+  g.add_argument("--fewshot_seed", type=int, default=1234)
+  h = p.add_argument_group("humaneval execution")
+  h.add_argument("--exec_timeout", type=float, default=10.0, help="seconds per program")
+  h.add_argument("--exec_memory_mb", type=int, default=1024)
+  h.add_argument("--exec_workers", type=int, default=2, help="programs run at once")
+  d = p.add_argument_group("decoding (see d2f_jax.decode.DecodeConfig)")
+  d.add_argument("--method", default=_DEFAULTS.method, choices=METHODS)
+  d.add_argument("--block_size", type=int, default=_DEFAULTS.block_size)
+  d.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens)
+  d.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight)
+  d.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add)
+  d.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act)
+  d.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf)
+  d.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
+  d.add_argument("--top_p", type=float, default=_DEFAULTS.top_p)
+  d.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
+  d.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
+  d.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
+                 help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
+  d.add_argument("--stop_tokens", default=None,
+                 help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
+  return p
+
+
+def decode_config(args) -> DecodeConfig:
+  stops = None
+  if args.stop_tokens is not None:
+    text = args.stop_tokens.strip().lower()
+    try:
+      stops = () if text == "none" else tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError as e:
+      raise SystemExit(f"--stop_tokens must be comma-separated ints or 'none', got {args.stop_tokens!r}") from e
+  try:
+    return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+                        max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
+                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
+                        alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket)
+  except ValueError as e:
+    raise SystemExit(f"bad decoding option: {e}") from e
+
+
+def make_task(args):
+  from d2f_jax.evals.runner import make_task as by_name
+  if args.task == "gsm8k":
+    return by_name("gsm8k", path=args.data, n_shot=args.n_shot, fewshot_path=args.fewshot_data,
+                   fewshot_seed=args.fewshot_seed)
+  from d2f_jax.evals.sandbox import Sandbox
+  try:
+    sandbox = Sandbox(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
+  except ValueError as e:
+    raise SystemExit(f"bad execution option: {e}") from e
+  return by_name("humaneval", path=args.data, sandbox=sandbox, workers=args.exec_workers)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = build_parser().parse_args(argv)
+  if args.limit is not None and args.limit < 1:
+    raise SystemExit(f"--limit must be a positive int, got {args.limit}")
+  config = decode_config(args)
+  task = make_task(args)
+  try:  # read the benchmark before the (slow) model load, so a bad file fails at once
+    task.load(args.limit)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"cannot read the {args.task} data: {e}") from e
+  out = args.out or f"results/evals/{args.task}_{args.method}_{time.strftime('%Y%m%d_%H%M%S')}"
+
+  import d2f_jax
+  from d2f_jax.evals.runner import run_benchmark
+
+  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir)
+  results = run_benchmark(model, task, config, batch_size=args.batch_size, limit=args.limit, chat=args.chat,
+                          add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
+  print(f"wrote {results['files']['results']} and {results['files']['samples']}", file=sys.stderr)
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,252 @@
+"""Evaluation harness: GSM8K prompts and answers, HumanEval post-processing, the runner end to end."""
+
+import gzip
+import json
+
+import pytest
+
+from d2f_jax.evals import gsm8k, humaneval
+from d2f_jax.evals.data import read_jsonl
+from d2f_jax.models import TINY_LLADA
+
+
+# --- GSM8K answers ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("#### 72", "72"),
+    ("She pays 3 * 4 = 12 dollars.\n#### 12\nQuestion: what is 99?", "12"),
+    ("The answer is 18.", "18"),
+    ("So the final answer is $1,234.50.", "1234.5"),
+    ("It costs $1,234.50", "1234.5"),
+    ("The temperature drops to -7 degrees.", "-7"),
+    ("He owes $-3 now", "-3"),
+    ("First 5, then 12, and finally 40", "40"),
+    ("5-3=2", "2"),  # a minus between numbers is subtraction, not a sign
+    ("It is 18.00", "18"),
+    ("#### 1,000,000", "1000000"),
+    ("The answer is: **42**", "42"),
+    ("half of it is .5", "0.5"),
+    ("no number here", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+  assert gsm8k.extract_answer(text) == expected
+
+
+def test_normalized_numbers_compare_equal():
+  assert gsm8k.normalize_number("18.00") == gsm8k.normalize_number("18") == "18"
+  assert gsm8k.normalize_number("$1,234.50") == gsm8k.normalize_number("1234.5") == "1234.5"
+  assert gsm8k.normalize_number("-0") == "0"
+  assert gsm8k.normalize_number("0.10") == "0.1"
+  assert gsm8k.normalize_number("twelve") is None
+
+
+def test_gold_answer_needs_the_hash_line():
+  assert gsm8k.gold_answer("3 + 4 = 7\n#### 7") == "7"
+  with pytest.raises(ValueError, match="x.jsonl:3.*####"):
+    gsm8k.gold_answer("it is 7", where="x.jsonl:3")
+
+
+def test_truncate_stops_at_the_next_question():
+  text = " 2 + 2 = 4\n#### 4\n\nQuestion: Tom has 9 apples\nAnswer: #### 9"
+  assert gsm8k.truncate(text) == "2 + 2 = 4\n#### 4"
+  assert gsm8k.extract_answer(gsm8k.truncate(text)) == "4"
+
+
+# --- GSM8K data and prompts ------------------------------------------------------------------------
+
+def _write_jsonl(path, rows, raw_lines=()):
+  with open(path, "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+    for line in raw_lines:
+      f.write(line + "\n")
+  return str(path)
+
+
+SMALL = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(1, 6)]
+
+
+def test_loader_reads_the_real_test_split():
+  items = gsm8k.Gsm8kTask().load()
+  assert len(items) == 1319
+  assert items[0]["id"] == "gsm8k/0" and items[0]["target"] == "18"
+  assert len({item["id"] for item in items}) == 1319
+  assert all(item["prompt"].endswith("\nAnswer:") for item in items[:5])
+
+
+def test_loader_reads_any_file_with_the_same_fields(tmp_path):
+  path = _write_jsonl(tmp_path / "small.jsonl", SMALL)
+  items = gsm8k.Gsm8kTask(path=path, n_shot=2).load(limit=3)
+  assert [item["target"] for item in items] == ["2", "4", "6"]
+  gz = tmp_path / "small.jsonl.gz"
+  with gzip.open(gz, "wt") as f:
+    f.write("\n".join(json.dumps(r) for r in SMALL) + "\n\n")  # trailing blank line is skipped
+  assert len(gsm8k.Gsm8kTask(path=str(gz)).load()) == 5
+
+
+def test_bad_jsonl_names_the_file_and_line(tmp_path):
+  path = _write_jsonl(tmp_path / "bad.jsonl", SMALL[:1], ['{"question": "q", "answer": '])
+  with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+    gsm8k.Gsm8kTask(path=path).load()
+  path = _write_jsonl(tmp_path / "missing.jsonl", SMALL[:2] + [{"question": "q"}])
+  with pytest.raises(ValueError, match=r"missing\.jsonl:3: missing field 'answer'"):
+    gsm8k.Gsm8kTask(path=path).load()
+  path = _write_jsonl(tmp_path / "type.jsonl", [{"question": 3, "answer": "#### 3"}])
+  with pytest.raises(ValueError, match=r"type\.jsonl:1: field 'question' must be a string"):
+    read_jsonl(path, gsm8k.FIELDS)
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    gsm8k.Gsm8kTask(path=str(tmp_path / "nope.jsonl")).load()
+
+
+def test_few_shot_prompt_structure():
+  prompt = gsm8k.build_prompt("How many legs do 3 cats have?", n_shot=4)
+  blocks = prompt.split("\n\n")
+  assert len(blocks) == 5
+  for (question, answer), block in zip(gsm8k.BUILTIN_EXEMPLARS, blocks[:4]):
+    assert block == f"Question: {question}\nAnswer: {answer}"
+    assert gsm8k.extract_answer(answer) == answer.rsplit("#### ", 1)[1]  # exemplars follow the format
+  assert blocks[4] == "Question: How many legs do 3 cats have?\nAnswer:"
+  assert gsm8k.build_prompt("Q?", n_shot=0) == "Question: Q?\nAnswer:"
+  with pytest.raises(ValueError, match="n_shot"):
+    gsm8k.build_prompt("Q?", n_shot=len(gsm8k.BUILTIN_EXEMPLARS) + 1)
+
+
+def test_exemplars_from_the_evaluated_file_are_left_out(tmp_path):
+  path = _write_jsonl(tmp_path / "small.jsonl", SMALL)
+  task = gsm8k.Gsm8kTask(path=path, n_shot=2, fewshot_path=path, fewshot_seed=0)
+  items = task.load()
+  assert len(items) == 3
+  shots = items[0]["prompt"].split("\n\n")[:2]
+  asked = {item["question"] for item in items}
+  assert all(shot.split("\n")[0].removeprefix("Question: ") not in asked for shot in shots)
+
+
+def test_gsm8k_scoring(tmp_path):
+  task = gsm8k.Gsm8kTask(path=_write_jsonl(tmp_path / "small.jsonl", SMALL), n_shot=0)
+  items = task.load(limit=2)
+  records = task.score(items, [" 1 + 1 = 2\n#### 2.00\n\nQuestion: What is 5 + 5?\nAnswer: #### 10",
+                               " The answer is 5."])
+  assert [r["correct"] for r in records] == [True, False]
+  assert records[0]["extracted"] == "2" and records[1]["extracted"] == "5" and records[1]["target"] == "4"
+
+
+# --- HumanEval processing --------------------------------------------------------------------------
+
+def test_humaneval_loader_reads_the_real_file():
+  problems = humaneval.load_problems()
+  assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+  assert set(humaneval.FIELDS) <= set(problems[0])
+
+
+@pytest.mark.parametrize("generation, expected", [
+    ("    return a + b\n\ndef other():\n    pass\n", "    return a + b\n"),
+    ("    return a + b\n\n\nif __name__ == '__main__':\n    print(f(1, 2))\n", "    return a + b\n"),
+    ("    x = a\n    return x + b\nprint(f(1, 2))\n", "    x = a\n    return x + b\n"),
+    ("    return a + b\nclass Extra:\n    pass\n", "    return a + b\n"),
+    ("    return a + b\n# tests\nassert f(1, 2) == 3\n", "    return a + b\n"),
+    ("```python\n    return a + b\n```\nThis adds the numbers.", "    return a + b\n"),
+    ("Here is the function:\n```python\nimport math\n\ndef f(a, b):\n    return math.fsum([a, b])\n\n"
+     "print(f(1, 2))\n```\n", "import math\n\ndef f(a, b):\n    return math.fsum([a, b])\n"),
+    ("def helper(x):\n    return x\n\ndef f(a, b):\n    return helper(a) + b\n\ndef g():\n    pass\n",
+     "def helper(x):\n    return x\n\ndef f(a, b):\n    return helper(a) + b\n"),
+    ("```py\ndef f(a, b):\n    return a + b", "def f(a, b):\n    return a + b\n"),  # unclosed fence
+])
+def test_truncate_completion(generation, expected):
+  assert humaneval.truncate_completion(generation, "f") == expected
+
+
+def test_full_function_completion_runs_after_the_prompt(tmp_path):
+  problem = humaneval.load_problems(limit=1)[0]  # has_close_elements, with `from typing import List`
+  body = problem["canonical_solution"]
+  generation = (f"```python\ndef {problem['entry_point']}(numbers: List[float], threshold: float) -> bool:\n"
+                f"{body}```\nDone.")
+  completion = humaneval.truncate_completion(generation, problem["entry_point"])
+  program = humaneval.build_program(problem, completion)
+  assert program.startswith(problem["prompt"].rstrip("\n") + "\n    pass\n")
+  task = humaneval.HumanEvalTask(workers=1)
+  item = {"id": problem["task_id"], "prompt": problem["prompt"], "problem": problem}
+  records = task.score([item, item, item], [generation, body + "\nprint('junk')\n", "    return None\n"])
+  assert [r["correct"] for r in records] == [True, True, False]
+  assert records[2]["status"] == "failed" and records[2]["reason"]
+
+
+# --- runner end to end -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  from d2f_jax.convert.synthetic import write_hf_checkpoint
+  return write_hf_checkpoint(tmp_path_factory.mktemp("tiny_llada_eval"), TINY_LLADA, seed=0, dtype="float32")
+
+
+def _read_samples(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_cli_gsm8k_end_to_end(checkpoint, tmp_path):
+  from d2f_jax import evaluate
+  out = tmp_path / "gsm8k"
+  results = evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--limit", "2", "--n_shot", "1",
+                           "--block_size", "8", "--max_new_tokens", "16", "--max_blocks_in_flight", "2",
+                           "--out", str(out)])
+  with open(out / "results.json") as f:
+    saved = json.load(f)
+  assert saved["task"] == "gsm8k" and saved["metric"] == "exact_match" and saved["total"] == 2
+  assert 0.0 <= saved["score"] <= 100.0 and saved["score"] == results["score"]
+  assert saved["decode"]["method"] == "d2f" and saved["decode"]["block_size"] == 8
+  assert saved["settings"]["batch_size"] == 1 and saved["task_options"]["n_shot"] == 1
+  speed = saved["speed"]
+  assert speed["warmup"]["batches"] >= 1 and speed["warmup"]["compiled_batches_in_timing"] == 0
+  assert 0 < speed["tokens"] <= 2 * 16 and speed["forwards"] > 0
+  assert speed["tokens_per_s"] > 0 and 0 < speed["tokens_per_forward"] <= 8 and speed["latency_s_mean"] > 0
+  samples = _read_samples(out / "samples.jsonl")
+  assert [s["id"] for s in samples] == ["gsm8k/0", "gsm8k/1"]
+  for s in samples:
+    assert {"generation", "kept", "extracted", "target", "correct", "tokens", "forwards", "latency_s"} <= set(s)
+    assert isinstance(s["correct"], bool) and 0 < s["tokens"] <= 16
+
+
+def test_runner_humaneval_batched(checkpoint, tmp_path):
+  import d2f_jax
+  from d2f_jax.decode import DecodeConfig
+  from d2f_jax.evals import Sandbox, make_task, run_benchmark
+
+  model = d2f_jax.load_model(checkpoint)
+  task = make_task("humaneval", sandbox=Sandbox(timeout_s=5.0), workers=2)
+  config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=16, max_blocks_in_flight=2, prompt_buckets=256)
+  results = run_benchmark(model, task, config, batch_size=2, limit=2, out_dir=str(tmp_path), log=None)
+  assert results["metric"] == "pass@1" and results["total"] == 2 and results["correct"] == 0
+  assert results["settings"]["batch_size"] == 2 and results["task_options"]["sandbox"]["timeout_s"] == 5.0
+  samples = _read_samples(tmp_path / "samples.jsonl")
+  assert [s["id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]
+  assert all(s["status"] in ("failed", "timeout") and s["batch"] == 0 for s in samples)
+  assert samples[0]["latency_s"] == samples[1]["latency_s"]  # both rows waited for the same call
+
+
+def test_bad_task_and_options_are_rejected(checkpoint):
+  from d2f_jax import evaluate
+  from d2f_jax.evals import make_task
+  with pytest.raises(ValueError, match="unknown task 'mbpp'"):
+    make_task("mbpp")
+  with pytest.raises(SystemExit, match="stop_tokens"):
+    evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--stop_tokens", "1,x"])
+  with pytest.raises(SystemExit, match="multiple of block_size"):
+    evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--block_size", "3", "--max_new_tokens", "16"])
+  with pytest.raises(SystemExit, match="nope.jsonl"):
+    evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--data", "/nonexistent/nope.jsonl"])
+
+
+def test_generation_text_is_read_after_the_prompt(checkpoint):
+  import d2f_jax
+  from d2f_jax.evals.runner import decode_continuation
+
+  model = d2f_jax.load_model(checkpoint)
+  assert decode_continuation(model, [5, 6], [7, 8]).strip() == model.decode([7, 8]) == "w7 w8"
+
+  class Joined:  # decodes each id alone differently from in context: the seam must come from the pair
+    def decode(self, ids, **kwargs):
+      return "".join("<" + str(i) + ">" if i == ids[0] else str(i) for i in ids)
+
+  fake = type("M", (), {"tokenizer": Joined()})()
+  assert decode_continuation(fake, [1, 2], [3, 4]) == "34"
