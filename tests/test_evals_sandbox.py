@@ -5,6 +5,8 @@ import shutil
 import tempfile
 import uuid
 
+import time
+
 import pytest
 
 from d2f_jax.evals.humaneval import build_program, load_problems
@@ -119,12 +121,23 @@ def test_timeout_kills_processes_the_program_started(tmp_path):
   result = sandbox.run(code)
   assert result.status == "timeout"
   pid = int(result.stdout.split()[0])
+  # SIGKILL is delivered asynchronously: give the kernel a moment, then the child must be dead
+  # (gone, or a zombie waiting for init). A recycled pid would no longer be our `sleep 60`.
+  deadline = time.monotonic() + 5.0
+  while time.monotonic() < deadline and _alive_sleep(pid):
+    time.sleep(0.05)
+  assert not _alive_sleep(pid)
+
+
+def _alive_sleep(pid: int) -> bool:
   try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      cmdline = f.read()
     with open(f"/proc/{pid}/status") as f:
       state = next(line for line in f if line.startswith("State:"))
-    assert "Z" in state  # killed, waiting to be reaped by init
-  except FileNotFoundError:
-    pass  # killed and reaped
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+  return cmdline.startswith(b"sleep") and "Z" not in state
 
 
 def test_bad_limits_are_rejected():
