@@ -3,9 +3,8 @@
 import os
 import shutil
 import tempfile
-import uuid
-
 import time
+import uuid
 
 import pytest
 
