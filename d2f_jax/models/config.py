@@ -12,6 +12,9 @@ from typing import Literal
 import jax.numpy as jnp
 
 Family = Literal["llada", "dream", "custom"]
+# Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
+# GPU/TPU and the reference on CPU, "pallas" = kernels always, "interpret_*" = kernels in a CPU interpreter.
+ATTENTION_IMPLS: tuple[str, ...] = ("xla", "auto", "pallas", "interpret_gpu", "interpret_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ModelConfig:
   family: Family = "custom"
   dtype: str = "float32"  # activation / compute dtype
   param_dtype: str = "float32"  # storage dtype of the weights
+  attention_impl: str = "xla"  # one of ATTENTION_IMPLS
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -56,6 +60,8 @@ class ModelConfig:
         jnp.dtype(getattr(self, field))
       except TypeError as e:
         raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not a dtype name") from e
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 
   @property
   def compute_dtype(self):

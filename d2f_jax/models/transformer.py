@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from d2f_jax import kernels
 from d2f_jax.models import layers as L
-from d2f_jax.models.attention import attention_reference
 from d2f_jax.models.config import LoraConfig, ModelConfig
 from d2f_jax.models.kv_cache import KVCache
 
@@ -116,12 +116,12 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
   q = L.rope(q, positions, config.rope_theta)
   k = L.rope(k, positions, config.rope_theta)
   if cache_kv is None:
-    k_all, v_all = k, v
+    attn = kernels.attend(q, k, v, q_ids, kv_ids, impl=config.attention_impl)  # [B, T, H, D]
   else:
-    cache_k, cache_v = cache_kv  # [B, S, K, D]
-    k_all = jnp.concatenate([cache_k.astype(dtype), k], axis=1)  # [B, S + T, K, D]
-    v_all = jnp.concatenate([cache_v.astype(dtype), v], axis=1)
-  attn = attention_reference(q, k_all, v_all, q_ids, kv_ids)  # [B, T, H, D]
+    cache_k, cache_v = cache_kv  # [B, S, K, D]; kv_ids = [cache ids | window ids]
+    size = cache_k.shape[1]
+    attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k.astype(dtype), cache_v.astype(dtype),
+                                 kv_ids[:, :size], impl=config.attention_impl)
   x = x + _project("o", attn, w, lora, dtype, keys[3])
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])

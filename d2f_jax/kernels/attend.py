@@ -1,0 +1,68 @@
+"""The model-facing entry points: one string, `ModelConfig.attention_impl`, picks the implementation.
+
+"xla" is exactly the model's original math (`attention_reference` on the concatenated keys). "auto" uses
+the Pallas kernels on GPU/TPU and the reference on CPU; "pallas" insists on the kernels. "interpret_gpu"
+and "interpret_tpu" run the kernels in that backend's CPU interpreter: slow, for tests. Being part of the
+static config, the choice is part of every jit cache key, so switching it never reuses a stale trace.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.kernels.common import PAD_ID
+from d2f_jax.kernels.flash_attention import flash_attention
+from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
+from d2f_jax.models.attention import attention_reference
+from d2f_jax.models.config import ATTENTION_IMPLS
+
+
+def _kernel_options(impl: str) -> tuple[str, str | bool]:
+  """attention_impl -> (impl, interpret) of the kernel wrappers."""
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  if impl.startswith("interpret_"):
+    return "pallas", impl.removeprefix("interpret_")
+  return impl, False
+
+
+def visible_length(cache_ids: jax.Array) -> jax.Array:
+  """[B] one past the last cache slot whose id is not PAD_ID: no query but a padding one sees beyond it.
+
+  Equal to `KVCache.length` or smaller (when the last written slots are padding), so it is a valid bound
+  for the window kernel when only the ids are at hand.
+  """
+  slots = jnp.arange(1, cache_ids.shape[1] + 1, dtype=jnp.int32)[None, :]
+  return jnp.max(jnp.where(cache_ids != PAD_ID, slots, 0), axis=1)
+
+
+def attend(q, k, v, q_ids, k_ids, *, impl: str = "xla"):
+  """Full-sequence attention (training, no-cache inference). q: [B, T, H, D]; k, v: [B, S, K, D]."""
+  if impl == "xla":
+    return attention_reference(q, k, v, q_ids, k_ids)
+  kernel_impl, interpret = _kernel_options(impl)
+  return flash_attention(q, k, v, q_ids, k_ids, impl=kernel_impl, interpret=interpret)
+
+
+def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len=None, *,
+                  impl: str = "xla"):
+  """A decoding window against the KV cache plus itself. q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D];
+  cache_k, cache_v: [B, S, K, D]; cache_ids: [B, S]; cache_len: [B] (None: derived from cache_ids).
+
+  "xla" concatenates and runs the reference, exactly as the model always did. The kernels never read
+  slots at or past cache_len; outputs of padding queries (id PAD_ID) are unspecified there.
+  """
+  if impl == "xla":
+    if cache_len is None:
+      keys = jnp.concatenate([cache_k, k_win], axis=1)  # [B, S + Tw, K, D]
+      values = jnp.concatenate([cache_v, v_win], axis=1)
+      return attention_reference(q, keys, values, q_ids, jnp.concatenate([cache_ids, win_ids], axis=1))
+    return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
+  kernel_impl, interpret = _kernel_options(impl)
+  if cache_len is None:
+    cache_len = visible_length(cache_ids)
+  if cache_k.dtype != q.dtype:  # a cache kept in another dtype (a copy; keep it in the compute dtype)
+    cache_k, cache_v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
+  return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,
+                          impl=kernel_impl, interpret=interpret)
