@@ -44,6 +44,7 @@ class ModelConfig:
   dtype: str = "float32"  # activation / compute dtype
   param_dtype: str = "float32"  # storage dtype of the weights
   attention_impl: str = "xla"  # one of ATTENTION_IMPLS
+  remat: bool = False  # rematerialise layer activations in the backward pass (long rows, big models)
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):

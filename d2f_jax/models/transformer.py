@@ -103,7 +103,8 @@ def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, d
   return out
 
 
-def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, dropout_key):
+def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, cache_len,
+           dropout_key):
   """One pre-norm block. x: [B, T, E]. Returns (x, (k, v)) with this window's k, v: [B, T, K, D]."""
   dtype = config.compute_dtype
   keys = [None] * 7 if dropout_key is None else list(jax.random.split(dropout_key, 7))
@@ -121,7 +122,7 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
     cache_k, cache_v = cache_kv  # [B, S, K, D]; kv_ids = [cache ids | window ids]
     size = cache_k.shape[1]
     attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k.astype(dtype), cache_v.astype(dtype),
-                                 kv_ids[:, :size], impl=config.attention_impl)
+                                 kv_ids[:, :size], cache_len, impl=config.attention_impl)
   x = x + _project("o", attn, w, lora, dtype, keys[3])
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
@@ -155,11 +156,15 @@ class Transformer(nnx.Module):
       kv_ids = jnp.concatenate([cache.ids, ids], axis=1)  # [B, S + T]
     weights = self.layers.weights()
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
-    body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids)
+    body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids,
+                             cache_len=None if cache is None else cache.length)
 
     def step(x, xs):
       w, cache_kv, key = xs
       return body(x, w, cache_kv=cache_kv, dropout_key=key)
+
+    if c.remat:  # recompute each layer in the backward pass: activation memory O(1) in depth
+      step = jax.checkpoint(step)
 
     cache_kv = None if cache is None else (cache.k, cache.v)
     x, (k, v) = jax.lax.scan(step, x, (weights, cache_kv, layer_keys))
