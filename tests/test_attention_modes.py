@@ -189,4 +189,4 @@ def test_remat_keeps_logits_and_gradients():
   remat_loss, remat_grads = loss_and_grads(TINY_DREAM.replace(remat=True))
   np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # fp32 reassociation in the recompute
