@@ -1,4 +1,8 @@
-"""The distillation config: defaults, hardware presets, `arg` parsing and validation.
+"""The trainer config: defaults, hardware presets, `arg` parsing and validation.
+
+`objective` picks what the one Trainer optimises: 'distill' (D2F asymmetric distillation, the default),
+'mdm' (LLaDA's masked-diffusion loss: pre-training / SFT of a bidirectional base) or 'ar' (next-token
+prediction: the causal baseline of the same size).
 
 Config files under configs/ are big_vision style: `get_config(arg=None)` builds on `base_config()` and
 reads a small `arg` string ("tpu_v5p_64", "family=dream,full") through `parse_arg`. `validate` checks every
@@ -14,6 +18,8 @@ import ml_collections
 from ml_collections import config_dict
 
 MESH_AXES = ("data", "fsdp", "tensor")
+OBJECTIVES = ("distill", "mdm", "ar")
+MODEL_INITS = ("path", "random")
 
 # maxtext-style rules: logical axis -> mesh axes (tried in order; a mesh axis is used once per array, and a
 # dimension it does not divide stays replicated). Parameters are FSDP-sharded on `embed`, tensor-parallel on
@@ -45,6 +51,7 @@ HARDWARE = {
 def base_config() -> ml_collections.ConfigDict:
   """Defaults shared by every model: the paper's distillation recipe with LoRA on q, k, v, o."""
   c = ml_collections.ConfigDict()
+  c.objective = "distill"  # one of OBJECTIVES
   c.seed = 0
   c.total_steps = 10_000
   c.batch_size = 32  # global sequences per optimizer step
@@ -52,17 +59,21 @@ def base_config() -> ml_collections.ConfigDict:
   c.block_size = 16
 
   c.model = ml_collections.ConfigDict()
+  c.model.init = "path"  # 'path': weights from model.path (or model.synthetic); 'random': fresh, from the config
   c.model.path = config_dict.placeholder(str)  # HF or converted directory of the base (teacher) model
   c.model.preset = config_dict.placeholder(str)  # or a preset name, randomly initialised (tests, benchmarks)
+  c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields over the preset (all of them if no preset)
   c.model.synthetic = False  # write a random HF checkpoint + tokenizer of `preset` into the workdir and use it
   c.model.dtype = "bfloat16"  # storage and compute dtype of the base weights
+  c.remat = False  # recompute each layer in the backward pass (ModelConfig.remat): activations O(1) in depth
 
   c.finetune = "lora"  # 'lora' (student = base + adapter) or 'full' (student = trainable copy of the base)
   c.lora = ml_collections.ConfigDict(dict(rank=32, alpha=32.0, dropout=0.1, targets=("q", "k", "v", "o"),
                                           use_rslora=False))
   c.train_dtype = "float32"  # dtype of the trainable parameters and their optimizer state
 
-  c.schedule = ml_collections.ConfigDict(dict(kind="monotone", low=0.2, high=0.7))
+  c.schedule = ml_collections.ConfigDict(dict(kind="monotone", low=0.2, high=0.7))  # distill only
+  c.mdm = ml_collections.ConfigDict(dict(eps=1e-3))  # mdm only: mask ratio t ~ U(eps, 1) per row
   c.loss_chunk = 0  # sequence rows per logits chunk (0: whole sequence); bounds the [B, T, V] fp32 buffers
 
   c.data = ml_collections.ConfigDict()
@@ -72,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.eval_examples = 256
   c.data.question_field = "question"
   c.data.answer_field = "answer"
-  c.data.tokenizer = config_dict.placeholder(str)  # default: the tokenizer in model.path
+  c.data.tokenizer = config_dict.placeholder(str)  # default: the tokenizer in model.path; copied into exports
   c.data.seq_len = 1024
   c.data.synthetic_examples = 512  # size of the JSONL written when model.synthetic and no data.path
   c.data.prefetch = 2
@@ -149,21 +160,22 @@ def _require(ok: bool, field: str, value, why: str) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raise ValueError naming the first bad field."""
+  objective = c.get("objective", "distill")
+  _require(objective in OBJECTIVES, "objective", objective, f"must be one of {OBJECTIVES}")
   _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   _require(c.batch_size > 0, "batch_size", c.batch_size, "must be positive")
   _require(c.micro_batches > 0 and c.batch_size % c.micro_batches == 0, "micro_batches", c.micro_batches,
            f"must be positive and divide batch_size={c.batch_size}")
   _require(c.block_size > 0, "block_size", c.block_size, "must be positive")
   _require(c.data.seq_len > c.block_size, "data.seq_len", c.data.seq_len, f"must exceed block_size={c.block_size}")
-  _require(c.model.path is not None or c.model.preset is not None, "model.path", c.model.path,
-           "set model.path (HF or converted directory) or model.preset (random init)")
-  _require(not (c.model.path and c.model.synthetic), "model.synthetic", c.model.synthetic,
-           "a synthetic checkpoint replaces model.path; set only one")
+  _validate_model(c, objective)
   _require(c.finetune in ("lora", "full"), "finetune", c.finetune, "must be 'lora' or 'full'")
   _require(c.schedule.kind in ("monotone", "random"), "schedule.kind", c.schedule.kind,
            "must be 'monotone' (reference) or 'random' (ablation)")
   _require(0.0 < c.schedule.low <= c.schedule.high <= 1.0, "schedule.low", (c.schedule.low, c.schedule.high),
            "need 0 < low <= high <= 1")
+  eps = c.get("mdm", {}).get("eps", 1e-3)
+  _require(0.0 < eps < 1.0, "mdm.eps", eps, "must lie in (0, 1)")
   _require(c.loss_chunk >= 0 and (c.loss_chunk == 0 or c.data.seq_len % c.loss_chunk == 0), "loss_chunk",
            c.loss_chunk, f"must be 0 or divide data.seq_len={c.data.seq_len}")
   _require(c.data.path is not None or c.model.synthetic, "data.path", None,
@@ -183,3 +195,25 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _require(c.optim[field] > 0, f"optim.{field}", c.optim[field], "must be positive")
   _require(c.optim.warmup_steps >= 0 and c.optim.weight_decay >= 0, "optim.warmup_steps", c.optim.warmup_steps,
            "warmup_steps and weight_decay must be >= 0")
+
+
+def _validate_model(c: ml_collections.ConfigDict, objective: str) -> None:
+  """Where the weights come from, and whether the objective can train them that way."""
+  m = c.model
+  init = m.get("init", "path")
+  _require(init in MODEL_INITS, "model.init", init, f"must be one of {MODEL_INITS}")
+  if init == "random":
+    _require(m.path is None, "model.path", m.path, "model.init='random' builds fresh weights; unset model.path "
+             "or use model.init='path'")
+    _require(m.preset is not None or bool(m.get("overrides")), "model.preset", m.preset,
+             "model.init='random' needs model.preset and/or model.overrides (every ModelConfig shape field)")
+    _require(c.finetune == "full", "finetune", c.finetune,
+             "LoRA needs a base to adapt; use finetune='full' with model.init='random'")
+  else:
+    _require(m.path is not None or m.preset is not None, "model.path", m.path,
+             "set model.path (HF or converted directory) or model.preset (random init)")
+  _require(not (m.path and m.synthetic), "model.synthetic", m.synthetic,
+           "a synthetic checkpoint replaces model.path; set only one")
+  if c.data.source != "npz" and m.path is None and not m.synthetic:
+    _require(c.data.tokenizer is not None, "data.tokenizer", None,
+             f"data.source={c.data.source!r} tokenizes text but there is no model.path to take a tokenizer from")

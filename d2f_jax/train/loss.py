@@ -3,8 +3,7 @@
 loss = sum_{masked} (1 / p_i) * CE(softmax(teacher), student) / #masked, with Dream's logit shift on both.
 CE against the teacher's softmax equals forward KL(teacher || student) plus the teacher's entropy, so the
 KL is reported beside it: it is what training can drive to zero.
-Logits are formed chunk by chunk of sequence rows under `jax.checkpoint`, so the [B, T, V] fp32 buffers
-of an 8B vocabulary never exist whole, in the forward or the backward pass.
+Logits are formed chunk by chunk of sequence rows under `jax.checkpoint` (train/chunks.py).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from d2f_jax.models import Transformer, align_logits, attention_ids
+from d2f_jax.train.chunks import map_row_chunks
 from d2f_jax.train.masking import Noised
 
 
@@ -26,21 +26,10 @@ def soft_cross_entropy(teacher_logits: jax.Array, student_logits: jax.Array) -> 
 
 def _token_losses(teacher: Transformer, student: Transformer, t_hidden, s_hidden, chunk: int):
   """Per-token (CE, teacher entropy) [B, T] from final hidden states [B, T, E], `chunk` rows at a time."""
-  batch, length, embed = s_hidden.shape
-  chunk = length if chunk <= 0 else chunk
-  n = length // chunk
-
-  @jax.checkpoint  # recompute a chunk's logits in the backward pass instead of keeping them
   def one(hiddens):
     th, sh = hiddens  # [B, C, E]
     return soft_cross_entropy(teacher.logits_from_hidden(th), student.logits_from_hidden(sh))
-
-  if n == 1:
-    return one((t_hidden, s_hidden))
-  split = lambda h: h.reshape(batch, n, chunk, embed).swapaxes(0, 1)  # [n, B, C, E]  # noqa: E731
-  ce, ent = jax.lax.map(one, (split(t_hidden), split(s_hidden)))  # [n, B, C]
-  merge = lambda x: x.swapaxes(0, 1).reshape(batch, length)  # noqa: E731
-  return merge(ce), merge(ent)
+  return map_row_chunks(one, (t_hidden, s_hidden), chunk)
 
 
 def distill_sums(teacher: Transformer, student: Transformer, noised: Noised, prompt_len: jax.Array, *,

@@ -1,7 +1,8 @@
 """Throughput accounting (model FLOPs, device peak, MFU) and the TensorBoard writer.
 
-FLOPs count useful model work per token: the teacher's forward, the student's forward, and the student's
-backward (activation gradients always; weight gradients of the base only in full fine-tuning).
+FLOPs count useful model work per token: the teacher's forward (distillation only), the trained model's
+forward, and its backward (activation gradients always; weight gradients of the base only in full
+fine-tuning). Recomputation (remat, chunked logits) is overhead, not useful work, and is not counted.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig 
   return 2.0 * (c.num_layers * (per_layer + attention) + c.embed_dim * c.vocab_size)
 
 
-def train_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig | None) -> float:
-  """teacher fwd + student fwd + student bwd (2x fwd in full fine-tuning, 1x with LoRA: no base grads)."""
+def train_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig | None, teacher: bool = True) -> float:
+  """[teacher fwd] + model fwd + model bwd (2x fwd in full fine-tuning, 1x with LoRA: no base grads).
+
+  teacher: distillation's frozen teacher forward (counted at the adapted size, like the student's)."""
   fwd = forward_flops_per_token(config, seq_len, lora)
-  return fwd * (3.0 if lora is not None else 4.0)
+  return fwd * ((1.0 if teacher else 0.0) + 1.0 + (1.0 if lora is not None else 2.0))
 
 
 def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:

@@ -2,12 +2,15 @@
 
 LoRA mode: `frozen` holds the base weights once; the teacher is the base graph over them and the student
 the LoRA graph over them plus the trainable adapter. Full fine-tune: the student is a trainable (fp32)
-copy of the frozen teacher. Every tree is a pure dict in the layout of `nnx.state(Transformer)`.
+copy of the frozen teacher. Objectives without a teacher (mdm, ar) keep no frozen copy in full fine-tuning:
+`frozen` is then empty and the trainable tree is the only one. Every tree is a pure dict in the layout of
+`nnx.state(Transformer)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -20,42 +23,62 @@ from d2f_jax import convert
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, preset
 from d2f_jax.train import sharding
 
+log = logging.getLogger(__name__)
+
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillModels:
-  """The static half of teacher + student (configs and graphs); hashable, so a jit static argument."""
+  """The static half of teacher + student (configs and graphs); hashable, so a jit static argument.
+
+  teacher=False (mdm, ar): no teacher module; the frozen tree is the LoRA base, or empty in full fine-tuning.
+  """
 
   config: ModelConfig
   lora: LoraConfig | None  # None: full fine-tune
   train_dtype: str
   teacher_graph: Any
   student_graph: Any
+  teacher: bool = True
 
   @classmethod
-  def create(cls, config: ModelConfig, lora: LoraConfig | None, train_dtype: str = "float32") -> "DistillModels":
+  def create(cls, config: ModelConfig, lora: LoraConfig | None, train_dtype: str = "float32", *,
+             teacher: bool = True) -> "DistillModels":
     teacher_graph = nnx.split(_abstract(config, None))[0]
     student_graph = nnx.split(_abstract(config, lora), BASE, nnx.LoRAParam)[0] if lora else teacher_graph
-    return cls(config, lora, train_dtype, teacher_graph, student_graph)
+    return cls(config, lora, train_dtype, teacher_graph, student_graph, teacher)
 
-  def abstract_frozen(self) -> nnx.State:
+  @property
+  def keeps_base(self) -> bool:
+    """Whether frozen base weights live beside the trainable tree (a teacher, or the base under LoRA)."""
+    return self.teacher or self.lora is not None
+
+  def abstract_base(self) -> nnx.State:
     """Base parameters as ShapeDtypeStruct Variables (with their logical axes)."""
     return nnx.state(_abstract(self.config, None), nnx.Param)
 
+  def abstract_frozen(self) -> nnx.State:
+    """What stays frozen through training: the base, or nothing (full fine-tune without a teacher)."""
+    return self.abstract_base() if self.keeps_base else nnx.State({})
+
   def abstract_trainable(self) -> nnx.State:
     """The adapter (LoRA) or the whole student (full), in `train_dtype`."""
-    source = nnx.state(_abstract(self.config, self.lora), nnx.LoRAParam) if self.lora else self.abstract_frozen()
+    source = nnx.state(_abstract(self.config, self.lora), nnx.LoRAParam) if self.lora else self.abstract_base()
     dtype = jnp.dtype(self.train_dtype)
     return jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, dtype)), source,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-  def modules(self, trainable: dict, frozen: dict) -> tuple[Transformer, Transformer]:
-    """(teacher, student) modules over the given arrays; no copies are made."""
-    teacher = nnx.merge(self.teacher_graph, frozen)
-    student = nnx.merge(self.student_graph, frozen, trainable) if self.lora else \
-        nnx.merge(self.teacher_graph, trainable)
-    return teacher, student
+  def student(self, trainable: dict, frozen: dict) -> Transformer:
+    """The trained module over the given arrays; no copies are made."""
+    if self.lora:
+      return nnx.merge(self.student_graph, frozen, trainable)
+    return nnx.merge(self.teacher_graph, trainable)
+
+  def modules(self, trainable: dict, frozen: dict) -> tuple[Transformer | None, Transformer]:
+    """(teacher, student) modules over the given arrays (teacher None without one); no copies are made."""
+    teacher = nnx.merge(self.teacher_graph, frozen) if self.teacher else None
+    return teacher, self.student(trainable, frozen)
 
 
 def _abstract(config: ModelConfig, lora: LoraConfig | None) -> Transformer:
@@ -67,9 +90,17 @@ def _pure_abstract(state: nnx.State) -> dict:
                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def model_config(model_cfg) -> ModelConfig:
-  """ModelConfig of the base: read from `model.path` (HF or converted) or a preset, in `model.dtype`."""
-  if model_cfg.path:
+# Fields that fix the parameter shapes: a checkpoint decides them, overrides may not.
+SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                "qkv_bias", "tie_embeddings", "family")
+
+
+def model_config(model_cfg, *, remat: bool = False) -> ModelConfig:
+  """ModelConfig of the base in `model.dtype`: read from `model.path` (HF or converted) or built from
+  `model.preset` and `model.overrides` (a dict of ModelConfig fields; with no preset it must name them all)."""
+  overrides = model_cfg.get("overrides") or {}
+  overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else overrides)
+  if model_cfg.get("init", "path") == "path" and model_cfg.path:
     path = os.fspath(model_cfg.path)
     if not os.path.isdir(path):
       raise FileNotFoundError(f"config.model.path={path!r} is not a directory")
@@ -80,14 +111,34 @@ def model_config(model_cfg) -> ModelConfig:
                          "(python -m d2f_jax.convert ... --merge)")
     else:
       config, _ = convert.read_hf_config(path)
+    fixed = sorted(f for f in set(overrides) & set(SHAPE_FIELDS) if overrides[f] != getattr(config, f))
+    if fixed:
+      raise ValueError(f"config.model.overrides={overrides!r}: {fixed} are fixed by the checkpoint in model.path")
   elif model_cfg.preset:
     config = preset(model_cfg.preset)
+  elif overrides:
+    config = None
   else:
     raise ValueError("config.model.path or config.model.preset must be set")
-  return config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype)
+  try:
+    config = config.replace(**overrides) if config is not None else ModelConfig(**overrides)
+  except TypeError as e:  # an unknown field, or (no preset) a missing one
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    raise ValueError(f"config.model.overrides={overrides!r}: {e}; ModelConfig fields: {known}") from e
+  config = config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype)
+  return with_remat(config, remat)
 
 
-def load_frozen(models: DistillModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
+def with_remat(config: ModelConfig, remat: bool) -> ModelConfig:
+  """`config` with ModelConfig.remat set; a no-op warning while the field does not exist yet."""
+  if any(f.name == "remat" for f in dataclasses.fields(ModelConfig)):
+    return config.replace(remat=bool(remat))
+  if remat:
+    log.warning("config.remat=True is ignored: this ModelConfig has no `remat` field yet")
+  return config
+
+
+def load_base(models: DistillModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
   """Base parameters laid out with `shardings`: restored from a converted directory, streamed from an HF
   checkpoint, or (no path) randomly initialised on the devices."""
   dtype = models.config.param_dtype
@@ -95,7 +146,7 @@ def load_frozen(models: DistillModels, path: str | None, seed: int, shardings: d
     def init():
       return nnx.to_pure_dict(nnx.state(Transformer(models.config, None, rngs=nnx.Rngs(seed)), nnx.Param))
     return jax.jit(init, out_shardings=shardings)()
-  target = sharding.abstract_with(_pure_abstract(models.abstract_frozen()), shardings)
+  target = sharding.abstract_with(_pure_abstract(models.abstract_base()), shardings)
   if convert.is_converted_dir(path):
     _, params, _, _ = convert.restore_converted(path, target=target)
     return jax.tree.map(lambda x, t: x.astype(t.dtype) if x.dtype != t.dtype else x, params, target)
@@ -103,12 +154,19 @@ def load_frozen(models: DistillModels, path: str | None, seed: int, shardings: d
   return sharding.host_to_global(params, shardings)
 
 
-def init_trainable(models: DistillModels, frozen: dict, seed: int) -> dict:
+load_frozen = load_base  # the distillation name: there the base is the frozen teacher
+
+
+def init_trainable(models: DistillModels, base: dict | None, seed: int) -> dict:
   """Fresh trainable parameters (traced; call inside jit): PEFT-style LoRA (B = 0, so the student starts as
-  the teacher) or a `train_dtype` copy of the base."""
+  the teacher), a `train_dtype` copy of the base, or (full fine-tune, base None) a random init drawn
+  directly in `train_dtype` (the same draws load_base(path=None) makes, at full precision)."""
   dtype = jnp.dtype(models.train_dtype)
   if models.lora is None:
-    return jax.tree.map(lambda x: x.astype(dtype), frozen)
+    if base is None:
+      model = Transformer(models.config.replace(param_dtype=models.train_dtype), None, rngs=nnx.Rngs(seed))
+      return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return jax.tree.map(lambda x: x.astype(dtype), base)
   model = Transformer(models.config, models.lora, rngs=nnx.Rngs(seed))  # base weights unused: compiled away
   return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
 
@@ -121,9 +179,13 @@ def gather_to_host(tree) -> Any:
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
-def export_student(out_dir: str, models: DistillModels, trainable: dict, *, base_dir: str | None = None) -> str | None:
+def export_student(out_dir: str, models: DistillModels, trainable: dict, *, base_dir: str | None = None,
+                   aux_dir: str | None = None) -> str | None:
   """The trained student in the PyTorch ecosystem's format: a PEFT adapter directory (LoRA) or a Hugging Face
-  checkpoint in the base's dtype with its tokenizer (full fine-tune). All processes gather, process 0 writes."""
+  checkpoint in the base's dtype with its tokenizer (full fine-tune; the tokenizer and side files come from
+  `aux_dir`, default `base_dir`; with no base the config.json is generated in the family's format, so a
+  randomly initialised 'llada' / 'dream' model exports like a released one). All processes gather, process 0
+  writes."""
   host = gather_to_host(trainable)
   if jax.process_index() != 0:
     return None
@@ -131,6 +193,6 @@ def export_student(out_dir: str, models: DistillModels, trainable: dict, *, base
     return convert.export_peft_adapter(out_dir, models.config, models.lora, host, base_model_name_or_path=base_dir,
                                        overwrite=True)
   hf_config = os.path.join(base_dir, "config.json") if base_dir else None
-  return convert.export_hf(out_dir, models.config, host, dtype=models.config.param_dtype, aux_dir=base_dir,
+  return convert.export_hf(out_dir, models.config, host, dtype=models.config.param_dtype, aux_dir=aux_dir or base_dir,
                            hf_config_json=hf_config if hf_config and os.path.isfile(hf_config) else None,
                            overwrite=True)

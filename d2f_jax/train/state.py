@@ -2,6 +2,7 @@
 
 Frozen base weights are not part of it: they never change, are not donated, and are not checkpointed
 (they are re-read from `model.path` on resume), so a LoRA checkpoint is megabytes, not the whole model.
+A full fine-tune without a teacher (mdm, ar) keeps no frozen tree at all: its state is the whole model.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def abstract_state(models: DistillModels, optim: OptimSpec, mesh: Mesh, rules: s
   return sharding.abstract_with(shapes, state_shardings(models, optim, mesh, rules))
 
 
-def create_state(models: DistillModels, optim: OptimSpec, frozen: dict, seed: int, mesh: Mesh,
+def create_state(models: DistillModels, optim: OptimSpec, base: dict | None, seed: int, mesh: Mesh,
                  rules: sharding.Rules) -> TrainState:
-  """A fresh state, computed on the devices directly into its shardings."""
-  def init(frozen):
-    params = init_trainable(models, frozen, seed)
+  """A fresh state, computed on the devices directly into its shardings. `base`: the base weights (LoRA,
+  or the starting point of a full fine-tune), or None for a random full-model init."""
+  def init(base):
+    params = init_trainable(models, base, seed)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=make_optimizer(optim).init(params),
                       rng=jax.random.PRNGKey(seed + 1))
-  return jax.jit(init, out_shardings=state_shardings(models, optim, mesh, rules))(frozen)
+  return jax.jit(init, out_shardings=state_shardings(models, optim, mesh, rules))(base)

@@ -1,8 +1,9 @@
-"""The jitted train and eval steps.
+"""The jitted train and eval steps, shared by every objective (train/objectives.py).
 
-One step: split the RNG, noise the whole batch once, then scan over microbatches summing gradients of the
-*summed* weighted CE and the masked count; dividing at the end makes the update identical to the one of the
-whole batch at once (and to any data / fsdp split of it), whatever `micro_batches` is.
+One step: split the RNG, prepare the whole batch once (noise it, pick targets), then scan over microbatches
+summing gradients of the objective's *summed* loss and its denominator (masked / response / target count);
+dividing at the end makes the update identical to the one of the whole batch at once (and to any data /
+fsdp split of it), whatever `micro_batches` is.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from d2f_jax.train import sharding
-from d2f_jax.train.loss import distill_sums
-from d2f_jax.train.masking import Noised, noise_batch
+from d2f_jax.train import objectives, sharding
 from d2f_jax.train.model import DistillModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
 from d2f_jax.train.schedule import Schedule
@@ -35,6 +34,16 @@ class StepSpec:
   micro_batches: int = 1
   loss_chunk: int = 0
   batch_sharding: NamedSharding | None = None  # rows of each microbatch inside the step
+  objective: str = "distill"  # a key of objectives.OBJECTIVES
+  mdm_eps: float = 1e-3  # mdm: the mask ratio t ~ U(mdm_eps, 1)
+
+  def __post_init__(self):
+    if objectives.get(self.objective).teacher and not self.models.teacher:
+      raise ValueError(f"objective {self.objective!r} needs a teacher: DistillModels.create(..., teacher=True)")
+
+  @property
+  def obj(self) -> objectives.Objective:
+    return objectives.get(self.objective)
 
 
 def _microbatches(tree, m: int, batch_sharding):
@@ -56,38 +65,33 @@ def _dropout_key(spec: StepSpec, key, index):
 
 def loss_and_grads(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array):
   """(grads of the mean loss, sums) for one batch {'tokens' [B, T], 'prompt_len' [B]}."""
+  obj = spec.obj
   noise_key, dropout_key = jax.random.split(key)
-  tokens, prompt_len = batch["tokens"], batch["prompt_len"]
-  noised = noise_batch(noise_key, tokens, prompt_len, block_size=spec.block_size, schedule=spec.schedule,
-                       mask_token_id=spec.models.config.mask_token_id)
+  inputs = obj.prepare(spec, noise_key, batch)
 
-  def sums_fn(params, noised: Noised, prompt_len, index):
-    teacher, student = spec.models.modules(params, frozen)
-    sums = distill_sums(teacher, student, noised, prompt_len, block_size=spec.block_size,
-                        dropout_key=_dropout_key(spec, dropout_key, index), chunk=spec.loss_chunk)
+  def sums_fn(params, inputs, index):
+    sums = obj.sums(spec, params, frozen, inputs, _dropout_key(spec, dropout_key, index))
     return sums["ce"], sums
 
   grad_fn = jax.grad(sums_fn, has_aux=True)
   if spec.micro_batches == 1:
-    grads, sums = grad_fn(trainable, noised, prompt_len, 0)
+    grads, sums = grad_fn(trainable, inputs, 0)
   else:
-    micro = _microbatches((noised, prompt_len), spec.micro_batches, spec.batch_sharding)
+    micro = _microbatches(inputs, spec.micro_batches, spec.batch_sharding)
 
     def body(carry, xs):
-      index, (mb_noised, mb_prompt_len) = xs
-      grads, sums = grad_fn(trainable, mb_noised, mb_prompt_len, index)
-      return jax.tree.map(jnp.add, carry, (grads, sums)), None
+      index, mb_inputs = xs
+      return jax.tree.map(jnp.add, carry, grad_fn(trainable, mb_inputs, index)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, noised, prompt_len, 0))
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, trainable, inputs, 0))
     (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(spec.micro_batches), micro))
-  count = jnp.maximum(sums["masked"], 1.0)
+  count = jnp.maximum(sums[obj.denominator], 1.0)
   return jax.tree.map(lambda g: g / count, grads), sums
 
 
-def summarize(sums: dict) -> dict:
-  count = jnp.maximum(sums["masked"], 1.0)
-  return {"loss": sums["ce"] / count, "kl": sums["kl"] / count,
-          "mask_rate": sums["masked"] / jnp.maximum(sums["response"], 1.0)}
+def summarize(sums: dict, objective: str = "distill") -> dict:
+  """Metrics ('loss', ...) of summed batches."""
+  return objectives.get(objective).summarize(sums)
 
 
 def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
@@ -96,17 +100,14 @@ def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> 
   opt = make_optimizer(spec.optim)
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {**summarize(sums), "grad_norm": optax.tree.norm(grads), "lr": learning_rate(spec.optim)(state.step)}
+  metrics = {**spec.obj.summarize(sums), "grad_norm": optax.tree.norm(grads),
+             "lr": learning_rate(spec.optim)(state.step)}
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
 
 def eval_sums(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array) -> dict:
-  """Loss sums of the student without dropout on a batch noised with `key` (fixed per eval batch)."""
-  noised = noise_batch(key, batch["tokens"], batch["prompt_len"], block_size=spec.block_size, schedule=spec.schedule,
-                       mask_token_id=spec.models.config.mask_token_id)
-  teacher, student = spec.models.modules(trainable, frozen)
-  return distill_sums(teacher, student, noised, batch["prompt_len"], block_size=spec.block_size,
-                      chunk=spec.loss_chunk)
+  """Loss sums without dropout on a batch prepared with `key` (fixed per eval batch)."""
+  return spec.obj.sums(spec, trainable, frozen, spec.obj.prepare(spec, key, batch), None)
 
 
 @functools.lru_cache(maxsize=16)

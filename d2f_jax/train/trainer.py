@@ -1,7 +1,7 @@
-"""The distillation run: set up mesh, models, data and state from a config, then loop.
+"""One training run of any objective (distill, mdm, ar): set up mesh, models, data and state, then loop.
 
     trainer = Trainer(config, workdir)   # restores the latest checkpoint in workdir, if any
-    history = trainer.run()              # to config.total_steps; saves, evaluates, exports the adapter
+    history = trainer.run()              # to config.total_steps; saves, evaluates, exports the result
 
 Everything that can resume does: the state and the data position come back from the newest checkpoint, and
 the run continues with the same losses it would have had without the interruption.
@@ -24,9 +24,9 @@ from d2f_jax.models import LoraConfig
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
-from d2f_jax.train import sharding
+from d2f_jax.train import objectives, sharding
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
-from d2f_jax.train.model import DistillModels, export_student, load_frozen, model_config
+from d2f_jax.train.model import DistillModels, export_student, load_base, model_config
 from d2f_jax.train.optim import OptimSpec
 from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.state import abstract_state, create_state
@@ -50,7 +50,11 @@ def lora_config(config) -> LoraConfig | None:
 
 
 class Trainer:
-  """One distillation run in `workdir`: models on the mesh, data, state (fresh or restored), writers."""
+  """One run in `workdir`: models on the mesh, data, state (fresh or restored), writers.
+
+  `frozen` holds the base weights when the objective has a teacher or the run is LoRA; a full fine-tune
+  without a teacher (mdm, ar) holds only its train state (the base is read once, to start from).
+  """
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     config_lib.validate(config)
@@ -63,7 +67,7 @@ class Trainer:
         f.write(config.to_json_best_effort(indent=2))
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = _rules(config)
-    self.model_path, data_path = self._paths()
+    self.model_path, data_path, self.tokenizer_dir = self._paths()
     self._setup_models()
     self._setup_data(data_path)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
@@ -71,14 +75,16 @@ class Trainer:
     self._setup_state()
     self.writer = metrics_lib.Writer(self.workdir)
     self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
-                                                             self.models.lora)
+                                                             self.models.lora, teacher=self.models.teacher)
     self.peak_flops = metrics_lib.peak_flops_per_device(config.peak_flops)
 
-  def _paths(self) -> tuple[str | None, str | None]:
-    """(model dir, data file): the config's, or a synthetic pair written once into the workdir."""
+  def _paths(self) -> tuple[str | None, str | None, str | None]:
+    """(model dir to load, or None for a random init; data file; tokenizer dir): the config's, or a
+    synthetic checkpoint + JSONL written once into the workdir."""
     c = self.config
+    random_init = c.model.init == "random"
     if not c.model.synthetic:
-      return c.model.path, c.data.path
+      return (None if random_init else c.model.path), c.data.path, c.data.tokenizer or c.model.path
     directory = os.path.join(self.workdir, "synthetic")
     base = model_config(c.model)
     if self.is_main:
@@ -86,18 +92,28 @@ class Trainer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("d2f_jax synthetic data")
     model_dir, data_path = ensure_synthetic(directory, base, num_examples=c.data.synthetic_examples, seed=c.seed)
-    return model_dir, c.data.path or data_path
+    return (None if random_init else model_dir), c.data.path or data_path, c.data.tokenizer or model_dir
 
   def _setup_models(self) -> None:
     c = self.config
-    model_cfg = ml_collections.ConfigDict(dict(path=self.model_path, preset=c.model.preset, dtype=c.model.dtype))
-    self.models = DistillModels.create(model_config(model_cfg), lora_config(c), c.train_dtype)
-    frozen_shardings = sharding.state_shardings(self.models.abstract_frozen(), self.mesh, self.rules)
-    self.frozen = load_frozen(self.models, self.model_path, c.seed, frozen_shardings, progress=c.progress_bar)
+    model_cfg = c.model.copy_and_resolve_references()
+    with model_cfg.unlocked():
+      model_cfg.path = self.model_path
+    obj = objectives.get(c.objective)
+    self.models = DistillModels.create(model_config(model_cfg, remat=c.remat), lora_config(c), c.train_dtype,
+                                       teacher=obj.teacher)
+    self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
+    self.frozen = self._load_base() if self.models.keeps_base else {}
     self.spec = StepSpec(models=self.models, schedule=Schedule(**c.schedule.to_dict()),
                          optim=OptimSpec.from_config(c.optim), block_size=c.block_size,
                          micro_batches=c.micro_batches, loss_chunk=c.loss_chunk,
-                         batch_sharding=sharding.batch_sharding(self.mesh, self.rules))
+                         batch_sharding=sharding.batch_sharding(self.mesh, self.rules), objective=c.objective,
+                         mdm_eps=float(c.mdm.eps))
+
+  def _load_base(self) -> dict:
+    """Base weights in their shardings: from model_path, or random (seeded) without one."""
+    c = self.config
+    return load_base(self.models, self.model_path, c.seed, self.base_shardings, progress=c.progress_bar)
 
   def _setup_data(self, data_path: str | None) -> None:
     c = self.config
@@ -107,9 +123,14 @@ class Trainer:
     data_cfg = c.data.copy_and_resolve_references()
     with data_cfg.unlocked():
       data_cfg.path = data_path
-    train, held_out = data_lib.load_examples(data_cfg, tokenizer_dir=c.data.tokenizer or self.model_path,
+    train, held_out = data_lib.load_examples(data_cfg, tokenizer_dir=self.tokenizer_dir,
                                              eos_id=self.models.config.eos_token_id,
                                              cache_dir=os.path.join(self.workdir, "data_cache"))
+    vocab = self.models.config.vocab_size
+    for name, part in (("data.path", train), ("data.eval_path", held_out)):
+      if len(part) and (part.tokens.min() < 0 or part.tokens.max() >= vocab):
+        raise ValueError(f"config.{name}: token ids span [{part.tokens.min()}, {part.tokens.max()}], outside the "
+                         f"model's vocabulary [0, {vocab})")
     self.data = data_lib.DataIterator(data_lib.train_dataset(train, local_batch, c.seed, c.data.prefetch))
     self.eval_data = data_lib.eval_batches(held_out, local_batch, c.eval_batches)
 
@@ -117,7 +138,11 @@ class Trainer:
     """The newest checkpoint's state and data position, or a fresh state; both land in their shardings."""
     latest = self.checkpointer.latest_step()
     if latest is None:
-      self.state = create_state(self.models, self.spec.optim, self.frozen, self.config.seed, self.mesh, self.rules)
+      if self.models.keeps_base:
+        base = self.frozen
+      else:  # full fine-tune without a teacher: read the base once (or draw it in train_dtype), then drop it
+        base = self._load_base() if self.model_path else None
+      self.state = create_state(self.models, self.spec.optim, base, self.config.seed, self.mesh, self.rules)
       return
     target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
     self.state, data_state = self.checkpointer.restore(latest, target)
@@ -134,7 +159,8 @@ class Trainer:
         sharding.batch_sharding(self.mesh, self.rules, np.ndim(v)), np.asarray(v, np.int32)) for k, v in local.items()}
 
   def evaluate(self) -> dict:
-    """Student loss / KL on the held-out batches, each noised with its own fixed key."""
+    """The objective's loss (and its other metrics) on the held-out batches, each noised with its own
+    fixed key, so evaluations at different steps are comparable."""
     if not self.eval_data:
       return {}
     fn = compiled_eval(self.spec, self.mesh)
@@ -143,17 +169,22 @@ class Trainer:
     for i, local in enumerate(self.eval_data):
       sums = fn(self.state.params, self.frozen, self.global_batch(local), jax.random.fold_in(key, i))
       totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-    return {f"eval_{k}": float(v) for k, v in jax.device_get(summarize(totals)).items()}
+    return {f"eval_{k}": float(v) for k, v in jax.device_get(summarize(totals, self.config.objective)).items()}
 
   def modules(self):
-    """(teacher, student) over the current parameters, e.g. for logits or decoding."""
+    """(teacher, student) over the current parameters (teacher None without one), e.g. for logits."""
     return self.models.modules(self.state.params, self.frozen)
 
+  def model(self):
+    """The trained module over the current parameters."""
+    return self.models.student(self.state.params, self.frozen)
+
   def export(self, out_dir: str | None = None) -> str | None:
-    """The student for PyTorch: a PEFT adapter (default <workdir>/adapter) or, after a full fine-tune, a
-    Hugging Face checkpoint (default <workdir>/hf)."""
+    """The trained model for PyTorch: a PEFT adapter (default <workdir>/adapter) or, after a full fine-tune,
+    a Hugging Face checkpoint (default <workdir>/hf) with the tokenizer of data.tokenizer / the base."""
     out_dir = out_dir or os.path.join(self.workdir, "adapter" if self.models.lora else "hf")
-    return export_student(out_dir, self.models, self.state.params, base_dir=self.model_path)
+    return export_student(out_dir, self.models, self.state.params, base_dir=self.model_path,
+                          aux_dir=self.tokenizer_dir)
 
   def run(self, num_steps: int | None = None) -> list[dict]:
     """Train to config.total_steps (or only `num_steps` more, without the final save: a simulated crash).
@@ -166,9 +197,9 @@ class Trainer:
     stop = StopSignal() if jax.process_count() == 1 else None
     tokens_per_step = c.batch_size * c.data.seq_len
     history: list[dict] = []
-    bar = tqdm(total=end, initial=start, desc="distill", disable=not (c.progress_bar and self.is_main),
+    bar = tqdm(total=end, initial=start, desc=c.objective, disable=not (c.progress_bar and self.is_main),
                dynamic_ncols=True)
-    if start == 0 and self.eval_data:  # the undistilled student: the baseline every later eval compares to
+    if start == 0 and self.eval_data:  # the untrained model: the baseline every later eval compares to
       baseline = self.evaluate()
       history.append({"step": 0, **baseline})
       self.writer.scalars(0, baseline)

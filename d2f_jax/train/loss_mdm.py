@@ -1,0 +1,66 @@
+"""LLaDA's masked-diffusion objective: pre-training / SFT of the bidirectional base (the teacher of D2F).
+
+Per row a noise level t ~ U(eps, 1); every response token is masked iid with probability t (the prompt
+stays clean; right-padding EOS is response, as in LLaDA's SFT, so the model learns to stop). The model sees
+the noised row bidirectionally and the loss is
+
+  loss = sum_{masked} CE(logits, clean token) / t  /  #response tokens in the global batch,
+
+an unbiased estimate of the negative ELBO per response token (LLaDA's SFT estimator; with no prompt it is
+the pre-training one). Dream's logit shift is applied when the model has it.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.models import Transformer, align_logits, attention_ids
+from d2f_jax.train.chunks import token_cross_entropy
+
+
+@flax.struct.dataclass
+class MdmNoised:
+  tokens: jax.Array  # [B, T] int32, masked positions replaced by the mask id
+  clean: jax.Array  # [B, T] int32, the original tokens (the targets)
+  masked: jax.Array  # [B, T] bool, True where the loss is taken
+  weight: jax.Array  # [B, T] float32, 1 / t on masked positions, 0 elsewhere
+  response: jax.Array  # [B, T] bool, False on the prompt
+  t: jax.Array  # [B] float32, the row's mask probability
+
+
+def noise_mdm(key: jax.Array, tokens: jax.Array, prompt_len: jax.Array, *, eps: float,
+              mask_token_id: int) -> MdmNoised:
+  """Mask the response of `tokens` [B, T] (from prompt_len [B] on) with a per-row ratio t ~ U(eps, 1).
+
+  t = eps + (1 - eps) u with u = uniform(t_key, [B]); a position is masked iff uniform(mask_key, [B, T]) < t,
+  where (t_key, mask_key) = split(key): a test can redraw the same mask from the same key.
+  """
+  batch, length = tokens.shape
+  t_key, mask_key = jax.random.split(key)
+  t = eps + (1.0 - eps) * jax.random.uniform(t_key, (batch,), jnp.float32)  # [B]
+  response = jnp.arange(length, dtype=jnp.int32)[None, :] >= prompt_len.astype(jnp.int32)[:, None]  # [B, T]
+  masked = response & (jax.random.uniform(mask_key, (batch, length), jnp.float32) < t[:, None])
+  return MdmNoised(tokens=jnp.where(masked, mask_token_id, tokens).astype(jnp.int32), clean=tokens.astype(jnp.int32),
+                   masked=masked, weight=jnp.where(masked, 1.0 / t[:, None], 0.0), response=response, t=t)
+
+
+def mdm_sums(model: Transformer, noised: MdmNoised, *, dropout_key: jax.Array | None = None,
+             chunk: int = 0) -> dict[str, jax.Array]:
+  """Sums over the batch (microbatches and shards add up exactly): 'ce' (sum of CE / t over masked
+  positions, the differentiated numerator), 'response' (its denominator), 'masked', 'correct'."""
+  batch, length = noised.tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))  # [B, T]
+  hidden, _ = model.hidden_states(noised.tokens, positions, attention_ids(positions, "bidirectional"),
+                                  dropout_key=dropout_key)  # [B, T, E]
+  hidden = align_logits(hidden, model.config)  # Dream: row i takes output i - 1 (row-wise, so on hidden states)
+  ce, correct = token_cross_entropy(model, hidden, noised.clean, chunk)  # [B, T]
+  masked = noised.masked.astype(jnp.float32)
+  return {"ce": jnp.sum(jax.lax.stop_gradient(noised.weight) * ce), "masked": jnp.sum(masked),
+          "correct": jnp.sum(masked * correct), "response": jnp.sum(noised.response.astype(jnp.float32))}
+
+
+def summarize(sums: dict) -> dict:
+  response, masked = jnp.maximum(sums["response"], 1.0), jnp.maximum(sums["masked"], 1.0)
+  return {"loss": sums["ce"] / response, "mask_rate": sums["masked"] / response, "accuracy": sums["correct"] / masked}
