@@ -23,8 +23,9 @@ from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.evals.data import write_json, write_jsonl
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
+from d2f_jax.tasks.arithmetic import ArithmeticTask
 
-TASKS = {"gsm8k": Gsm8kTask, "humaneval": HumanEvalTask}
+TASKS = {"gsm8k": Gsm8kTask, "humaneval": HumanEvalTask, "arithmetic": ArithmeticTask}
 WARMUPS = ("shapes", "first", "none")
 
 

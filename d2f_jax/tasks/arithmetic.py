@@ -1,0 +1,126 @@
+"""A GSM8K-style task generated from a seed: multi-step word problems with a worked solution.
+
+Each problem chains 2-4 operations on one quantity (buy, give away, boxes of, double, share) with small
+numbers, so a model of a few hundred thousand parameters can learn it on a CPU in minutes, while the
+worked solution (one equation per step, then "So the answer is N.") spans several decoding blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+NAMES = ("Tom", "Ann", "Ben", "Lia", "Sam", "Eva", "Max", "Zoe")
+ITEMS = ("apples", "pens", "cards", "eggs", "books", "coins", "shells", "stamps")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  question: str
+  solution: str  # worked steps ending in "So the answer is <answer>."
+  answer: int
+
+
+def _step(rng: np.random.Generator, value: int, item: str) -> tuple[str, str, int]:
+  """One operation on `value`: (question sentence, solution sentence, new value). Values stay in 0..99."""
+  while True:
+    kind = rng.integers(5)
+    if kind == 0:
+      k = int(rng.integers(1, 10))
+      if value + k < 100:
+        return f"Then gets {k} more {item}.", f"{value} + {k} = {value + k}.", value + k
+    elif kind == 1 and value > 1:
+      k = int(rng.integers(1, min(value, 10)))
+      return f"Then gives away {k} {item}.", f"{value} - {k} = {value - k}.", value - k
+    elif kind == 2:
+      n, m = int(rng.integers(2, 6)), int(rng.integers(2, 6))
+      if value + n * m < 100:
+        return (f"Then buys {n} boxes with {m} {item} each.",
+                f"{n} * {m} = {n * m}. {value} + {n * m} = {value + n * m}.", value + n * m)
+    elif kind == 3 and 0 < value < 50:
+      return "Then the number doubles.", f"{value} * 2 = {value * 2}.", value * 2
+    elif kind == 4 and value >= 2 and value % 2 == 0:
+      return f"Then gives half of the {item} away.", f"{value} / 2 = {value // 2}.", value // 2
+
+
+def make_problem(rng: np.random.Generator, min_steps: int = 2, max_steps: int = 4) -> Problem:
+  name = NAMES[rng.integers(len(NAMES))]
+  item = ITEMS[rng.integers(len(ITEMS))]
+  value = int(rng.integers(2, 20))
+  question = [f"{name} has {value} {item}."]
+  solution = []
+  for _ in range(int(rng.integers(min_steps, max_steps + 1))):
+    q, s, value = _step(rng, value, item)
+    question.append(q)
+    solution.append(s)
+  question.append(f"How many {item} does {name} have now?")
+  solution.append(f"So the answer is {value}.")
+  return Problem(" ".join(question), " ".join(solution), value)
+
+
+def make_problems(count: int, seed: int, *, min_steps: int = 2, max_steps: int = 4) -> list[Problem]:
+  """`count` problems, identical for the same seed on every machine (numpy's PCG64 stream)."""
+  if count < 0 or not 1 <= min_steps <= max_steps:
+    raise ValueError(f"need count >= 0 and 1 <= min_steps <= max_steps, got {count}, {min_steps}, {max_steps}")
+  rng = np.random.default_rng(seed)
+  return [make_problem(rng, min_steps, max_steps) for _ in range(count)]
+
+
+def split(seed: int, train: int, test: int, **kw) -> tuple[list[Problem], list[Problem]]:
+  """Disjoint train / held-out problems: held-out questions never appear in the training set."""
+  pool = make_problems(train + 4 * test + 64, seed, **kw)
+  seen, train_set, test_set = set(), [], []
+  for problem in pool:
+    if len(train_set) < train:
+      train_set.append(problem)
+      seen.add(problem.question)
+    elif problem.question not in seen and len(test_set) < test:
+      test_set.append(problem)
+  if len(test_set) < test:
+    raise ValueError(f"could not draw {test} held-out problems distinct from the {train} training ones")
+  return train_set, test_set
+
+
+def extract_answer(text: str) -> int | None:
+  """The integer after the last 'the answer is', or None."""
+  marker = "the answer is"
+  lowered = text.lower()
+  if marker not in lowered:
+    return None
+  tail = lowered.rsplit(marker, 1)[1].strip().split(" ")[0].rstrip(".")
+  try:
+    return int(tail)
+  except ValueError:
+    return None
+
+
+@dataclasses.dataclass
+class ArithmeticTask:
+  """The held-out split as an evaluation task (the protocol of `d2f_jax.evals.runner`)."""
+
+  seed: int = 0
+  train: int = 4096
+  test: int = 128
+  min_steps: int = 2
+  max_steps: int = 4
+
+  name = "arithmetic"
+  metric = "exact_match"
+
+  def load(self, limit: int | None = None) -> list[dict]:
+    from d2f_jax.tasks.tokenizer import prompt_text
+    _, held_out = split(self.seed, self.train, self.test, min_steps=self.min_steps, max_steps=self.max_steps)
+    return [{"id": f"arithmetic/{i}", "prompt": prompt_text(p.question), "target": p.answer}
+            for i, p in enumerate(held_out[:limit])]
+
+  def score(self, items: list[dict], generations: list[str]) -> list[dict]:
+    records = []
+    for item, text in zip(items, generations, strict=True):
+      answer = extract_answer(text)
+      records.append({"id": item["id"], "kept": text, "extracted": answer, "target": item["target"],
+                      "correct": answer == item["target"]})
+    return records
+
+  def options(self) -> dict:
+    return dataclasses.asdict(self)

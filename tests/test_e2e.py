@@ -1,0 +1,93 @@
+"""The built-in arithmetic task, its tokenizer, and the miniature reproduction run end to end."""
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from d2f_jax.e2e import data as e2e_data
+from d2f_jax.tasks import arithmetic, tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _config(arg):
+  spec = importlib.util.spec_from_file_location("tiny_e2e", ROOT / "configs" / "tiny_e2e.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def test_problems_are_deterministic_and_checkable():
+  a, b = arithmetic.make_problems(50, seed=3), arithmetic.make_problems(50, seed=3)
+  assert a == b and a != arithmetic.make_problems(50, seed=4)
+  for p in a:
+    assert arithmetic.extract_answer(p.solution) == p.answer
+    # The worked solution is consistent: every "x op y = z" step holds.
+    for step in p.solution.split(". "):
+      if "=" in step:
+        lhs, rhs = step.rstrip(".").split(" = ")
+        assert eval(lhs.replace("/", "//")) == int(rhs), step
+  train, test = arithmetic.split(0, 200, 20)
+  assert len(train) == 200 and len(test) == 20
+  assert not {p.question for p in train} & {p.question for p in test}
+
+
+@pytest.mark.parametrize("text, expected", [("4 + 5 = 9. So the answer is 9.", 9), ("So the answer is 12", 12),
+                                            ("the answer is x.", None), ("no answer", None),
+                                            ("The answer is 3. So the answer is 41.", 41)])
+def test_extract_answer(text, expected):
+  assert arithmetic.extract_answer(text) == expected
+
+
+def test_tokenizer_round_trips_every_problem():
+  tok = tokenizer.build_tokenizer()
+  ids = tokenizer.special_ids()
+  assert tok.convert_tokens_to_ids(tokenizer.MASK) == ids["mask_token_id"]
+  assert tok.eos_token_id == ids["eos_token_id"] == ids["pad_token_id"]
+  unk = tok.convert_tokens_to_ids(tokenizer.UNK)
+  for p in arithmetic.make_problems(300, seed=1):
+    for text in (tokenizer.prompt_text(p.question), p.solution):
+      encoded = tok(text, add_special_tokens=False)["input_ids"]
+      assert unk not in encoded
+      assert tok.decode(encoded) == text
+  assert tok("12 + 305")["input_ids"] == tok.convert_tokens_to_ids(["1", "##2", "+", "3", "##0", "##5"])
+
+
+def test_encode_rows_pads_with_eos_and_refuses_overflow():
+  problems = arithmetic.make_problems(8, seed=0)
+  tokens, prompt_len = e2e_data.encode_rows(problems, seq_len=128)
+  eos = tokenizer.special_ids()["eos_token_id"]
+  tok = tokenizer.build_tokenizer()
+  for row, n, p in zip(tokens, prompt_len, problems):
+    assert tok.decode(row[:n]) == tokenizer.prompt_text(p.question)
+    text = tok.decode([t for t in row[n:] if t != eos])
+    assert text == p.solution and row[-1] == eos
+  with pytest.raises(ValueError, match="raise data.seq_len"):
+    e2e_data.encode_rows(problems, seq_len=20)
+
+
+def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
+  from d2f_jax.e2e import pipeline
+  c = _config("smoke")
+  payload = pipeline.run(c, str(tmp_path))
+  rows = payload["rows"]
+  assert [r["method"] for r in rows] == ["vanilla", "threshold"] + ["d2f"] * len(c.d2f_sweep) + ["ar"]
+  for row in rows:
+    assert row["total"] == c.task.test and 0.0 <= row["accuracy"] <= 100.0
+    assert row["tokens_per_forward"] is None or row["tokens_per_forward"] > 0
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["rows"] == json.loads(json.dumps(rows, default=str))
+  assert set(saved["stages"]) == {"teacher (mdm)", "ar baseline", "d2f student"}
+  markdown = (tmp_path / "results.md").read_text()
+  assert "tokens_per_forward" in markdown and "speedup_vs_ar" in markdown and "d2f student" in markdown
+  for picture in ("throughput_vs_accuracy.png", "decode_trace.png"):
+    assert (tmp_path / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  for stage in ("teacher/hf", "ar/hf", "student/hf"):
+    assert (tmp_path / stage / "config.json").exists() and (tmp_path / stage / "tokenizer.json").exists()
+  # A second run skips the finished stages and reproduces the accuracies (greedy decoding).
+  again = pipeline.run(c, str(tmp_path))
+  assert all(stage.get("skipped") for stage in again["stages"].values())
+  assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in rows]
