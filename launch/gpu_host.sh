@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# Set up a venv with jax[cuda12] on a GPU host and run a distillation or evaluation; one host or several.
+#
+#   launch/gpu_host.sh --config configs/llada_8b.py:gpu_8xh100 --workdir /data/runs/llada \
+#       -- --config.model.path=/data/ckpt/LLaDA-8B-Instruct --config.data.path=/data/qa.jsonl
+#   launch/gpu_host.sh --eval -- --model /data/ckpt/llada --lora_dir /data/runs/llada/adapter --task gsm8k
+#   two hosts, run on each (host_index 0 and 1), workdir on a shared filesystem:
+#   launch/gpu_host.sh --config configs/llada_8b.py:gpu_2x8xh100 --workdir /nfs/runs/llada \
+#       --num_hosts 2 --host_index 0 --coordinator 10.0.0.1:12355
+#   add --dry-run to print every command instead of running it.
+#
+# Steps: python3 -m venv -> pip install jax[cuda12] + the runtime requirements (not the tests' torch) + this
+# checkout (editable) -> run the command with its output tee'd to --logs/host-<index>.log. With --num_hosts > 1
+# the command runs under launch/jax_distributed.py, which starts jax.distributed from
+# JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (also exported for --command).
+set -euo pipefail
+
+PROG="gpu_host.sh"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+usage() {
+  cat <<EOF
+usage: launch/$PROG (--config CONFIG --workdir DIR | --eval | --command "CMD") [-- FLAGS...]
+                    [--venv DIR] [--cuda 12|13] [--gpus 0,1,...] [--skip_install] [--logs DIR]
+                    [--num_hosts N --host_index I --coordinator HOST:PORT] [--dry-run]
+
+  --config CONFIG      run 'python -m d2f_jax.distill --config CONFIG --workdir DIR' plus the flags after --
+  --workdir DIR        distillation workdir (on a filesystem every host sees when --num_hosts > 1)
+  --eval               run 'python -m d2f_jax.evaluate' with the flags after --
+  --command "CMD"      run this shell command instead (venv active, in the repo root)
+  --venv DIR           virtual environment to create / reuse (default: ~/d2f_venv)
+  --cuda 12|13         CUDA major version of the jax wheel (default 12: jax[cuda12])
+  --gpus LIST          CUDA_VISIBLE_DEVICES for this run, e.g. 0,1,2,3 (default: all)
+  --skip_install       use the venv as it is
+  --logs DIR           where the log goes (default: logs/gpu)
+  --num_hosts N        hosts in the job (default 1); with N > 1 also --host_index and --coordinator
+  --host_index I       this host's index, 0 .. N-1 (0 runs the coordinator)
+  --coordinator H:P    address of host 0, reachable from every host
+  --dry-run            print every command instead of running it
+EOF
+}
+
+die() {
+  echo "$PROG: error: $*" >&2
+  echo "run 'launch/$PROG --help' for usage" >&2
+  exit 2
+}
+
+need_value() {  # flag, number of remaining args, next arg
+  [[ $2 -ge 2 && "$3" != --* ]] || die "$1 needs a value"
+}
+
+CONFIG="" WORKDIR="" EVAL=0 COMMAND="" VENV="" CUDA="12" GPUS="" SKIP_INSTALL=0 LOGS="logs/gpu"
+NUM_HOSTS=1 HOST_INDEX="" COORDINATOR="" DRY_RUN=0
+EXTRA=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --config) need_value "$1" $# "${2-}"; CONFIG="$2"; shift 2 ;;
+    --workdir) need_value "$1" $# "${2-}"; WORKDIR="$2"; shift 2 ;;
+    --eval) EVAL=1; shift ;;
+    --command) need_value "$1" $# "${2-}"; COMMAND="$2"; shift 2 ;;
+    --venv) need_value "$1" $# "${2-}"; VENV="$2"; shift 2 ;;
+    --cuda) need_value "$1" $# "${2-}"; CUDA="$2"; shift 2 ;;
+    --gpus) need_value "$1" $# "${2-}"; GPUS="$2"; shift 2 ;;
+    --skip_install|--skip-install) SKIP_INSTALL=1; shift ;;
+    --logs) need_value "$1" $# "${2-}"; LOGS="$2"; shift 2 ;;
+    --num_hosts|--num-hosts) need_value "$1" $# "${2-}"; NUM_HOSTS="$2"; shift 2 ;;
+    --host_index|--host-index) need_value "$1" $# "${2-}"; HOST_INDEX="$2"; shift 2 ;;
+    --coordinator) need_value "$1" $# "${2-}"; COORDINATOR="$2"; shift 2 ;;
+    --dry-run|--dry_run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown argument '$1'" ;;
+  esac
+done
+
+# --- validation -------------------------------------------------------------------------------------
+modes=$(( (${#CONFIG} > 0) + EVAL + (${#COMMAND} > 0) ))
+[[ $modes -eq 1 ]] || die "give exactly one of --config CONFIG --workdir DIR, --eval, --command \"CMD\""
+if [[ -n "$CONFIG" ]]; then
+  [[ -n "$WORKDIR" ]] || die "--config needs --workdir"
+  CONFIG_FILE="${CONFIG%%:*}"
+  if [[ -f "$CONFIG_FILE" && "$CONFIG_FILE" != /* && ! -f "$ROOT/$CONFIG_FILE" ]]; then
+    CONFIG="$PWD/$CONFIG"  # relative to here; the job runs in the repo root
+  fi
+  [[ -f "$ROOT/$CONFIG_FILE" || -f "$CONFIG_FILE" ]] || die "--config file '$CONFIG_FILE' not found"
+  [[ "$WORKDIR" == /* ]] || WORKDIR="$PWD/$WORKDIR"
+else
+  [[ -z "$WORKDIR" ]] || die "--workdir goes with --config"
+fi
+if [[ -n "$COMMAND" && ${#EXTRA[@]} -gt 0 ]]; then
+  die "flags after -- go to distill / evaluate; put them inside --command"
+fi
+if [[ $EVAL -eq 1 && ${#EXTRA[@]} -eq 0 ]]; then
+  die "--eval needs the evaluation flags after --, e.g. -- --model DIR --task gsm8k"
+fi
+[[ "$CUDA" =~ ^(12|13)$ ]] || die "--cuda must be 12 or 13, got '$CUDA'"
+[[ -z "$GPUS" || "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus must be a comma-separated list of GPU indices, got '$GPUS'"
+[[ "$NUM_HOSTS" =~ ^[1-9][0-9]*$ ]] || die "--num_hosts must be a positive integer, got '$NUM_HOSTS'"
+if (( NUM_HOSTS > 1 )); then
+  [[ -n "$HOST_INDEX" ]] || die "--num_hosts $NUM_HOSTS needs --host_index (0 .. $(( NUM_HOSTS - 1 )))"
+  [[ "$HOST_INDEX" =~ ^[0-9]+$ ]] && (( HOST_INDEX < NUM_HOSTS )) \
+    || die "--host_index must be in 0 .. $(( NUM_HOSTS - 1 )), got '$HOST_INDEX'"
+  [[ -n "$COORDINATOR" ]] || die "--num_hosts $NUM_HOSTS needs --coordinator HOST:PORT (host 0's address)"
+  [[ "$COORDINATOR" =~ ^[A-Za-z0-9._-]+:[0-9]{1,5}$ ]] || die "--coordinator must be HOST:PORT, got '$COORDINATOR'"
+else
+  [[ -z "$HOST_INDEX" && -z "$COORDINATOR" ]] || die "--host_index / --coordinator need --num_hosts > 1"
+  HOST_INDEX=0
+fi
+VENV="${VENV:-$HOME/d2f_venv}"
+[[ "$VENV" == /* ]] || VENV="$PWD/$VENV"
+[[ "$LOGS" == /* ]] || LOGS="$PWD/$LOGS"
+if [[ $DRY_RUN -eq 0 ]]; then
+  command -v python3 >/dev/null 2>&1 || die "python3 is not on PATH"
+  command -v nvidia-smi >/dev/null 2>&1 || die "no NVIDIA driver here (nvidia-smi not found); try --dry-run"
+fi
+
+# --- commands ------------------------------------------------------------------------------------------
+run() {  # print (dry run) or run one command, shown shell-quoted
+  if [[ $DRY_RUN -eq 1 ]]; then
+    printf '+'; printf ' %q' "$@"; printf '\n'
+  else
+    { printf '+'; printf ' %q' "$@"; printf '\n'; } >&2
+    "$@"
+  fi
+}
+setenv() {  # export NAME=VALUE, printed in a dry run
+  if [[ $DRY_RUN -eq 1 ]]; then
+    printf '+ export %s=%q\n' "$1" "$2"
+  else
+    export "$1=$2"
+  fi
+}
+
+PY="$VENV/bin/python"
+if [[ $SKIP_INSTALL -eq 0 ]]; then
+  REQS="${TMPDIR:-/tmp}/d2f_requirements_gpu.txt"
+  run python3 -m venv "$VENV"
+  run "$PY" -m pip install -q -U pip
+  # Runtime requirements without the CPU jax pin and the tests' section (torch & co.).
+  run bash -c "sed '/^# Tests only/,\$d' $(printf '%q' "$ROOT/requirements.txt") | grep -v '^jax\[' > $(printf '%q' "$REQS")"
+  run "$PY" -m pip install -q "jax[cuda$CUDA]>=0.10.2,<0.11" -r "$REQS"
+  run "$PY" -m pip install -q --no-deps -e "$ROOT"
+  run "$PY" -c "import jax; print(jax.devices())"
+fi
+
+[[ -n "$GPUS" ]] && setenv CUDA_VISIBLE_DEVICES "$GPUS"
+setenv XLA_PYTHON_CLIENT_MEM_FRACTION "0.95"  # the default 0.75 leaves a fifth of each GPU unused
+LAUNCH=("$PY")
+if (( NUM_HOSTS > 1 )); then
+  setenv JAX_COORDINATOR_ADDRESS "$COORDINATOR"
+  setenv JAX_NUM_PROCESSES "$NUM_HOSTS"
+  setenv JAX_PROCESS_ID "$HOST_INDEX"
+  LAUNCH+=("$ROOT/launch/jax_distributed.py")
+fi
+if [[ -n "$CONFIG" ]]; then
+  JOB=("${LAUNCH[@]}" -m d2f_jax.distill --config="$CONFIG" --workdir="$WORKDIR" ${EXTRA[@]+"${EXTRA[@]}"})
+elif [[ $EVAL -eq 1 ]]; then
+  JOB=("${LAUNCH[@]}" -m d2f_jax.evaluate "${EXTRA[@]}")
+else
+  setenv VIRTUAL_ENV "$VENV"
+  setenv PATH "$VENV/bin:$PATH"
+  JOB=(bash -c "$COMMAND")
+fi
+
+LOG="$LOGS/host-$HOST_INDEX.log"
+run mkdir -p "$LOGS"
+run cd "$ROOT"
+if [[ $DRY_RUN -eq 1 ]]; then
+  printf '+'; printf ' %q' "${JOB[@]}"; printf ' 2>&1 | tee %q\n' "$LOG"
+  exit 0
+fi
+cd "$ROOT"
+set +e
+{ printf '+'; printf ' %q' "${JOB[@]}"; printf ' 2>&1 | tee %q\n' "$LOG"; } >&2
+"${JOB[@]}" 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+set -e
+echo "$PROG: exit status $status; log in $LOG" >&2
+exit "$status"
