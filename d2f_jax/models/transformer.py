@@ -17,6 +17,7 @@ from d2f_jax import kernels
 from d2f_jax.models import layers as L
 from d2f_jax.models.config import LoraConfig, ModelConfig
 from d2f_jax.models.kv_cache import KVCache
+from d2f_jax.models.sharding_hints import constrain_batch
 
 # Our weight name -> (logical axes after the layers axis, LoRA a-axes, LoRA b-axes)
 _PROJ_AXES = {
@@ -149,7 +150,7 @@ class Transformer(nnx.Module):
   def hidden_states(self, tokens, positions, ids, cache: KVCache | None = None, *, dropout_key=None):
     """Final-normed hidden states [B, T, E] and the window's K/V stacked [L, B, T, K, D]."""
     c = self.config
-    x = self.embedding[...].astype(c.compute_dtype)[tokens]  # [B, T, E]
+    x = constrain_batch(self.embedding[...].astype(c.compute_dtype)[tokens])  # [B, T, E]
     if cache is None:
       kv_ids = ids
     else:
@@ -161,7 +162,8 @@ class Transformer(nnx.Module):
 
     def step(x, xs):
       w, cache_kv, key = xs
-      return body(x, w, cache_kv=cache_kv, dropout_key=key)
+      x, kv = body(x, w, cache_kv=cache_kv, dropout_key=key)
+      return constrain_batch(x), kv
 
     if c.remat:  # recompute each layer in the backward pass: activation memory O(1) in depth
       step = jax.checkpoint(step)

@@ -43,7 +43,8 @@ HARDWARE = {
     "gpu_8xh100": (dict(data=1, fsdp=8, tensor=1), 32, 2),
     "gpu_2x8xh100": (dict(data=2, fsdp=8, tensor=1), 64, 2),  # two hosts: data across, FSDP inside a node
     "tpu_v5p_64": (dict(data=4, fsdp=8, tensor=1), 64, 1),  # 32 chips, 95 GB each
-    "tpu_v5e_64": (dict(data=4, fsdp=16, tensor=1), 64, 2),  # 64 chips, 16 GB each: weights need wide FSDP
+    # 64 chips, 16 GB each: weights need wide FSDP; 128 rows in 2 microbatches keep one row per chip per slice.
+    "tpu_v5e_64": (dict(data=4, fsdp=16, tensor=1), 128, 2),
     "cpu": (dict(data=1, fsdp=-1, tensor=1), 8, 1),
 }
 

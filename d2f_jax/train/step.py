@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from d2f_jax.models.sharding_hints import batch_sharded_activations
 from d2f_jax.train import objectives, sharding
 from d2f_jax.train.model import DistillModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
@@ -70,7 +71,8 @@ def loss_and_grads(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, k
   inputs = obj.prepare(spec, noise_key, batch)
 
   def sums_fn(params, inputs, index):
-    sums = obj.sums(spec, params, frozen, inputs, _dropout_key(spec, dropout_key, index))
+    with batch_sharded_activations(spec.batch_sharding):
+      sums = obj.sums(spec, params, frozen, inputs, _dropout_key(spec, dropout_key, index))
     return sums["ce"], sums
 
   grad_fn = jax.grad(sums_fn, has_aux=True)
@@ -107,7 +109,8 @@ def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> 
 
 def eval_sums(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array) -> dict:
   """Loss sums without dropout on a batch prepared with `key` (fixed per eval batch)."""
-  return spec.obj.sums(spec, trainable, frozen, spec.obj.prepare(spec, key, batch), None)
+  with batch_sharded_activations(spec.batch_sharding):
+    return spec.obj.sums(spec, trainable, frozen, spec.obj.prepare(spec, key, batch), None)
 
 
 @functools.lru_cache(maxsize=16)
