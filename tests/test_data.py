@@ -54,7 +54,7 @@ def test_long_answers_are_truncated_and_prompt_only_rows_dropped(tokenizer):
 
 def test_jsonl_errors_name_line_and_field(tmp_path):
   path = _write(tmp_path / "bad.jsonl", [{"q": "w1", "a": "w2"}, {"question": "w1", "a": "w2"}])
-  with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'q'"):
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: .*field 'q'.*question_field"):
     data_lib.read_jsonl(str(path), "q", "a")
 
 

@@ -19,6 +19,8 @@ import grain
 import jax
 import numpy as np
 
+from d2f_jax.evals import data as jsonl  # the one JSONL reader (errors name file:line and field)
+
 log = logging.getLogger(__name__)
 
 
@@ -46,23 +48,13 @@ class Examples:
 
 def read_jsonl(path: str, question_field: str, answer_field: str) -> list[tuple[str, str]]:
   """(question, answer) pairs of a JSONL file; errors name the line and the missing field."""
-  pairs = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{number}: not valid JSON ({e})") from e
-      for field in (question_field, answer_field):
-        if not isinstance(record.get(field), str):
-          raise ValueError(f"{path}:{number}: field {field!r} missing or not a string (fields: {sorted(record)}); "
-                           "set config.data.question_field / answer_field")
-      pairs.append((record[question_field], record[answer_field]))
-  if not pairs:
-    raise ValueError(f"{path}: no examples")
-  return pairs
+  try:
+    rows = jsonl.read_jsonl(path, (question_field, answer_field))
+  except ValueError as e:
+    if "field" not in str(e):
+      raise
+    raise ValueError(f"{e}; set config.data.question_field / answer_field") from None
+  return [(row[question_field], row[answer_field]) for row in rows]
 
 
 def tokenize_pairs(pairs, tokenizer, seq_len: int, eos_id: int) -> Examples:
