@@ -8,6 +8,7 @@ an unfinished one resumes from its newest checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -72,11 +73,12 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
 def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
   """Run (or resume, or skip) one training stage; returns (export dir, summary)."""
   stage_dir = os.path.join(workdir, name)
-  done_marker = os.path.join(stage_dir, "export_done")
+  done_marker = os.path.join(stage_dir, "stage_done.json")
   export_dir = os.path.join(stage_dir, "adapter" if config.finetune == "lora" else "hf")
   if os.path.exists(done_marker):
     log.info("stage %s already finished: %s", name, export_dir)
-    return export_dir, {"skipped": True}
+    with open(done_marker) as f:
+      return export_dir, {**json.load(f), "skipped": True}
   start = time.perf_counter()
   trainer = Trainer(config, stage_dir)  # resumes from the stage's newest checkpoint, if any
   try:
@@ -85,11 +87,13 @@ def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
     trainer.close()
   if not os.path.isdir(export_dir):
     raise RuntimeError(f"stage {name} finished without writing its export {export_dir}")
-  with open(done_marker, "w") as f:
-    f.write(export_dir)
   last = history[-1] if history else {}
   summary = {"objective": config.objective, "steps": config.total_steps, "seconds": time.perf_counter() - start,
              **{k: v for k, v in last.items() if k.startswith(("loss", "eval_"))}}
+  tmp = f"{done_marker}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f)
+  os.replace(tmp, done_marker)
   return export_dir, summary
 
 

@@ -1,8 +1,8 @@
 """A GSM8K-style task generated from a seed: multi-step word problems with a worked solution.
 
-Each problem chains 2-4 operations on one quantity (buy, give away, boxes of, double, share) with small
-numbers, so a model of a few hundred thousand parameters can learn it on a CPU in minutes, while the
-worked solution (one equation per step, then "So the answer is N.") spans several decoding blocks.
+Each problem chains 1-4 operations (a configurable range) on one quantity (buy, give away, boxes of,
+double, share) with small numbers, so a model of a few hundred thousand parameters can learn it on a
+CPU in minutes, while the worked solution (one equation per step, then "So the answer is N.") spans several decoding blocks.
 """
 
 from __future__ import annotations
