@@ -11,10 +11,9 @@ import argparse
 import sys
 import time
 
-from d2f_jax.decode import DREAM_ALGS, METHODS, DecodeConfig
+from d2f_jax.decode.flags import add_decode_flags, decode_config_from_flags
 from d2f_jax.evals.runner import TASKS, WARMUPS
 
-_DEFAULTS = DecodeConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,39 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
   h.add_argument("--exec_memory_mb", type=int, default=1024)
   h.add_argument("--exec_workers", type=int, default=2, help="programs run at once")
   d = p.add_argument_group("decoding (see d2f_jax.decode.DecodeConfig)")
-  d.add_argument("--method", default=_DEFAULTS.method, choices=METHODS)
-  d.add_argument("--block_size", type=int, default=_DEFAULTS.block_size)
-  d.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens)
-  d.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight)
-  d.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add)
-  d.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act)
-  d.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf)
-  d.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
-  d.add_argument("--top_p", type=float, default=_DEFAULTS.top_p)
-  d.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
-  d.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
-  d.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
-                 help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
-  d.add_argument("--stop_tokens", default=None,
-                 help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
+  add_decode_flags(d)
   return p
-
-
-def decode_config(args) -> DecodeConfig:
-  stops = None
-  if args.stop_tokens is not None:
-    text = args.stop_tokens.strip().lower()
-    try:
-      stops = () if text == "none" else tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError as e:
-      raise SystemExit(f"--stop_tokens must be comma-separated ints or 'none', got {args.stop_tokens!r}") from e
-  try:
-    return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
-                        max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
-                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
-                        alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket)
-  except ValueError as e:
-    raise SystemExit(f"bad decoding option: {e}") from e
 
 
 def make_task(args):
@@ -94,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.limit is not None and args.limit < 1:
     raise SystemExit(f"--limit must be a positive int, got {args.limit}")
-  config = decode_config(args)
+  config = decode_config_from_flags(args)
   task = make_task(args)
   try:  # read the benchmark before the (slow) model load, so a bad file fails at once
     task.load(args.limit)

@@ -12,9 +12,9 @@ import sys
 import time
 
 
-from d2f_jax.decode import METHODS, DREAM_ALGS, DecodeConfig, generate, stream
+from d2f_jax.decode import generate, stream
+from d2f_jax.decode.flags import add_decode_flags, decode_config_from_flags
 
-_DEFAULTS = DecodeConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,17 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
   group.add_argument("--prompt", help="prompt text")
   group.add_argument("--prompt_ids", help="comma-separated prompt token ids (no tokenizer needed)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-  p.add_argument("--method", default=_DEFAULTS.method, choices=METHODS)
-  p.add_argument("--block_size", type=int, default=_DEFAULTS.block_size)
-  p.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens)
-  p.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight)
-  p.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add)
-  p.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act)
-  p.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf)
-  p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
-  p.add_argument("--top_p", type=float, default=_DEFAULTS.top_p)
-  p.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
-  p.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
+  add_decode_flags(p)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_stream", action="store_true", help="one jitted loop, print at the end")
   p.add_argument("--warmup", action="store_true", help="compile with one run first, so timings exclude it")
@@ -72,13 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
 
   import d2f_jax
 
-  try:
-    config = DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
-                          max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add,
-                          tau_act=args.tau_act, tau_conf=args.tau_conf, temperature=args.temperature,
-                          top_p=args.top_p, steps=args.steps, alg=args.alg)
-  except ValueError as e:
-    raise SystemExit(f"bad decoding option: {e}") from e
+  config = decode_config_from_flags(args)
   model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora)
   prompt = _prompt_ids(model, args)
   key = jax.random.key(args.seed)
