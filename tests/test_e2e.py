@@ -4,7 +4,6 @@ import importlib.util
 import json
 import pathlib
 
-import numpy as np
 import pytest
 
 from d2f_jax.e2e import data as e2e_data
