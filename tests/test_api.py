@@ -1,6 +1,5 @@
 """`d2f_jax.load_model`: both directory kinds, LoRA merged vs separate, tokenizer, clear errors."""
 
-
 import jax
 import numpy as np
 import pytest
