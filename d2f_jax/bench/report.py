@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 
 import jax
+
+from d2f_jax.evals.data import write_json
 
 
 def environment() -> dict:
@@ -37,9 +38,5 @@ def write_report(path: str, name: str, rows: list[dict], **extra) -> None:
   directory = os.path.dirname(path)
   if directory:
     os.makedirs(directory, exist_ok=True)
-  payload = {"benchmark": name, "environment": environment(), "rows": rows, **extra}
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(payload, f, indent=2)
-  os.replace(tmp, path)
+  write_json(path, {"benchmark": name, "environment": environment(), "rows": rows, **extra})
   print(f"wrote {path}")

@@ -20,6 +20,7 @@ import d2f_jax
 from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.e2e import data as data_lib
 from d2f_jax.e2e import report
+from d2f_jax.evals.data import write_json
 from d2f_jax.evals.runner import encode_prompts, run_benchmark
 from d2f_jax.tasks import tokenizer as tokenizer_lib
 from d2f_jax.tasks.arithmetic import ArithmeticTask
@@ -90,10 +91,7 @@ def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
   last = history[-1] if history else {}
   summary = {"objective": config.objective, "steps": config.total_steps, "seconds": time.perf_counter() - start,
              **{k: v for k, v in last.items() if k.startswith(("loss", "eval_"))}}
-  tmp = f"{done_marker}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(summary, f)
-  os.replace(tmp, done_marker)
+  write_json(done_marker, summary)
   return export_dir, summary
 
 

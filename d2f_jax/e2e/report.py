@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from d2f_jax.bench.report import environment, format_table
+from d2f_jax.evals.data import write_json
 
 TABLE_COLUMNS = ["method", "model", "settings", "accuracy", "tokens_per_s", "tokens_per_forward",
                  "latency_ms", "speedup_vs_ar", "speedup_vs_vanilla"]
@@ -26,7 +26,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict) -> dict:
   payload = {"rows": rows, "stages": stages, "config": config, "environment": environment()}
-  _atomic_write(os.path.join(out_dir, "results.json"), json.dumps(payload, indent=2, default=str))
+  write_json(os.path.join(out_dir, "results.json"), payload)
   lines = ["# D2F in miniature: results", "",
            f"Held-out problems: {rows[0]['total'] if rows else 0}; measured on {payload['environment']['device']} "
            f"({payload['environment']['cpus']} CPUs), batch 1, compile time excluded.", "",
