@@ -20,6 +20,7 @@ import numpy as np
 from d2f_jax.bench.report import write_report
 from d2f_jax.kernels import flash_attention, window_attention, window_attention_reference
 from d2f_jax.models.attention import PAD_ID, attention_ids, attention_reference
+from d2f_jax.train.metrics import measure_matmul_flops
 
 # Dense bf16 TFLOP/s and HBM GB/s per chip, from the vendors' datasheets. Matched on device_kind, first hit.
 ROOFLINES = [
@@ -60,14 +61,11 @@ def roofline(iters: int = 3) -> dict:
       if key in kind.lower():
         return dict(device=name, device_kind=kind, peak_tflops=tflops, peak_gbps=gbps, source="datasheet")
     return dict(device=kind, device_kind=kind, peak_tflops=None, peak_gbps=None, source="unknown device")
-  n = 1024
-  a = jnp.ones((n, n), jnp.float32)
-  matmul = jax.jit(lambda a: a @ a)
-  seconds, _ = _time(lambda: matmul(a), iters)
+  flops = measure_matmul_flops(n=1024, repeats=iters)
   big = jnp.ones((32 * 2 ** 20,), jnp.float32)  # 128 MiB, read once per call
   total = jax.jit(jnp.sum)
   read_seconds, _ = _time(lambda: total(big), iters)
-  return dict(device="cpu", device_kind=kind, peak_tflops=2 * n ** 3 / seconds / 1e12,
+  return dict(device="cpu", device_kind=kind, peak_tflops=flops / 1e12,
               peak_gbps=big.nbytes / read_seconds / 1e9, source="measured (fp32 matmul, array sum)")
 
 
