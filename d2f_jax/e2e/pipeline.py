@@ -110,9 +110,14 @@ def decode_configs(c) -> list[tuple[str, str, str, DecodeConfig]]:
   return rows
 
 
-def evaluate(c, models: dict, out_dir: str) -> list[dict]:
-  task = ArithmeticTask(seed=c.seed, train=c.task.train, test=c.task.test, min_steps=c.task.min_steps,
+def held_out_task(c) -> ArithmeticTask:
+  """The evaluation split of the config's task (the same seed and sizes as the training data)."""
+  return ArithmeticTask(seed=c.seed, train=c.task.train, test=c.task.test, min_steps=c.task.min_steps,
                         max_steps=c.task.max_steps)
+
+
+def evaluate(c, models: dict, out_dir: str) -> list[dict]:
+  task = held_out_task(c)
   rows = []
   for i, (method, role, settings, dc) in enumerate(decode_configs(c)):
     result = run_benchmark(models[role], task, dc, batch_size=c.eval_batch_size,
@@ -157,8 +162,7 @@ def run(c, workdir: str) -> dict:
 
 def _trace_picture(c, student, workdir: str) -> None:
   """Decode the first held-out problem with the paper's default thresholds and draw when each token landed."""
-  task = ArithmeticTask(seed=c.seed, train=c.task.train, test=c.task.test, min_steps=c.task.min_steps,
-                        max_steps=c.task.max_steps)
+  task = held_out_task(c)
   item = task.load(1)[0]
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
   dc = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
