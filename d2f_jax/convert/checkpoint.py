@@ -23,9 +23,12 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from d2f_jax.convert import mapping
+from d2f_jax.convert.errors import CheckpointError, ConvertError, one_line
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.lora import split_lora
 from d2f_jax.convert.util import as_numpy_dtype, atomic_dir, copy_aux_files
+from d2f_jax.convert.validate import (ConfigError, lora_config_from_dict, model_config_from_dict, read_json_object,
+                                      require_object)
 from d2f_jax.models.config import LoraConfig, ModelConfig
 
 META_FILE = "d2f_model.json"
@@ -60,14 +63,22 @@ def restore_tree(path: str, shapes: dict[str, tuple], *, dtype=None, target: dic
   jax.ShapeDtypeStruct with shardings), straight into jax arrays laid out on those devices."""
   checkpointer = _checkpointer()
   try:
-    if target is not None:
-      restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-      return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
-    np_dtype = as_numpy_dtype(dtype) if dtype is not None else None
-    args = mapping.unflatten({p: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype) for p in shapes})
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return _restore(checkpointer, path, shapes, dtype, target)
+  except (ConvertError, TypeError):  # TypeError: a caller's bug, not the files'
+    raise
+  except Exception as e:  # orbax / tensorstore errors of a damaged directory
+    raise CheckpointError(f"{path}: cannot restore the orbax checkpoint ({one_line(e)[:300]})") from e
   finally:
     checkpointer.close()
+
+
+def _restore(checkpointer, path: str, shapes: dict[str, tuple], dtype, target) -> dict:
+  if target is not None:
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+  np_dtype = as_numpy_dtype(dtype) if dtype is not None else None
+  args = mapping.unflatten({p: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype) for p in shapes})
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
 
 
 def restore_leaf(path: str, leaf: str, dtype=None) -> np.ndarray:
@@ -89,11 +100,13 @@ def tree_metadata(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   checkpointer = _checkpointer()
   try:
     meta = checkpointer.metadata(path)
+  except Exception as e:  # a damaged or missing _METADATA
+    raise CheckpointError(f"{path}: unreadable orbax metadata ({one_line(e)[:300]})") from e
   finally:
     checkpointer.close()
   tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
   if not isinstance(tree, dict):
-    raise ValueError(f"{path}: unreadable orbax metadata ({type(meta).__name__})")
+    raise CheckpointError(f"{path}: unreadable orbax metadata ({type(meta).__name__})")
   return {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in mapping.flatten(tree).items()}
 
 
@@ -136,20 +149,19 @@ def save_converted(out_dir, config: ModelConfig, params: dict, *, lora_cfg: Lora
 
 
 def read_converted_meta(path) -> tuple[ModelConfig, LoraConfig | None, dict]:
-  """(config, LoRA config or None, full d2f_model.json) without touching the arrays."""
+  """(config, LoRA config or None, full d2f_model.json) without touching the arrays; every field of
+  'config' and 'lora' type-checked, token ids inside the vocabulary (errors name the file and field)."""
   meta_path = os.path.join(os.fspath(path), META_FILE)
   if not os.path.isfile(meta_path):
     raise FileNotFoundError(f"{path!r} is not a converted model directory (no {META_FILE})")
-  with open(meta_path) as f:
-    meta = json.load(f)
+  meta = read_json_object(meta_path)
   if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-    raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                     f"{FORMAT!r} version {VERSION}")
-  try:
-    config = ModelConfig(**meta["config"])
-    lora = LoraConfig(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])}) if meta.get("lora") else None
-  except (TypeError, KeyError) as e:
-    raise ValueError(f"{meta_path}: 'config' / 'lora' do not match ModelConfig / LoraConfig fields ({e})") from e
+    raise ConfigError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
+                      f"{FORMAT!r} version {VERSION}")
+  config = model_config_from_dict(meta.get("config"), meta_path, "config")
+  lora = lora_config_from_dict(meta["lora"], meta_path, "lora") if meta.get("lora") is not None else None
+  if meta.get("hf_config") is not None:
+    require_object(meta["hf_config"], meta_path, "hf_config")
   return config, lora, meta
 
 

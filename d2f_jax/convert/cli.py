@@ -3,13 +3,42 @@
   HF -> converted:  --hf_dir DIR [--lora_dir DIR] [--merge_lora | --no-merge_lora] --out DIR
                     [--dtype bfloat16] [--allow_pickle] [--overwrite]
   converted -> HF:  --to_hf --converted DIR [--out DIR] [--export_lora DIR] [--dtype D] [--max_shard_gb G]
+
+Exit status: 0 written; 2 refused input (a bad checkpoint, config, option or output directory: one line
+`error: ...` naming the file and field, nothing written); 143 stopped by SIGTERM (the partial output was
+removed). Any other status is a bug and prints a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
+
+EXIT_BAD_INPUT = 2
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process killed by SIGTERM
+
+
+class Terminated(BaseException):
+  """Raised in the main thread on SIGTERM, so every `atomic_dir` removes its temp dir on the way out."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    raise Terminated()
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+  """Run the CLI; a refused input raises SystemExit(2) after one `error:` line, SIGTERM SystemExit(143)."""
   parser = build_parser()
   args = parser.parse_args(argv)
-  from d2f_jax.convert import pipeline  # after parsing, so --help stays fast
+  from d2f_jax.convert.errors import ConvertError, one_line  # after parsing, so --help stays fast
+  try:
+    with _sigterm_raises():
+      _run(parser, args)
+  except Terminated:
+    print("error: stopped by SIGTERM; the partial output was removed", file=sys.stderr)
+    raise SystemExit(EXIT_TERMINATED) from None
+  except (ConvertError, OSError) as e:  # every refusal names its file / tensor / field
+    print(f"error: {one_line(e)}", file=sys.stderr)
+    raise SystemExit(EXIT_BAD_INPUT) from None
 
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  from d2f_jax.convert import pipeline
+  from d2f_jax.convert.util import as_numpy_dtype
+
+  if args.dtype is not None:
+    try:
+      as_numpy_dtype(args.dtype)
+    except ValueError as e:
+      parser.error(f"--dtype: {e}")
+  if not args.max_shard_gb > 0:
+    parser.error(f"--max_shard_gb must be positive, got {args.max_shard_gb}")
   start = time.perf_counter()
   if args.to_hf:
     if not args.converted:

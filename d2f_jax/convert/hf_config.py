@@ -1,18 +1,21 @@
 """config.json <-> ModelConfig for LLaDA (model_type "llada") and Dream (model_type "Dream").
 
 Shape fields are required (a missing one is an error naming it and the file); token ids fall back to the
-released models' values (D2F_SPEC section 1) when a config omits them.
+released models' values (D2F_SPEC section 1) when a config omits them, and must then lie in the vocabulary.
+Every field is type-checked through convert/validate.py, so a bad value names the file and the field.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from d2f_jax.convert.validate import (ConfigError, build_model_config, check_token_ids, get_bool, get_float, get_int,
+                                      get_str, read_json_object, require_object, token_id)
 from d2f_jax.models.config import ModelConfig
 
 MODEL_TYPES = {"llada": "llada", "dream": "dream"}  # config.json model_type (lower-cased) -> family
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 # Released models' special tokens, used when config.json does not name them.
 DEFAULT_IDS = {
@@ -22,9 +25,8 @@ DEFAULT_IDS = {
                   eot_token_id=151645),
 }
 
-
-class ConfigError(ValueError):
-  """A config.json this converter cannot turn into a ModelConfig."""
+__all__ = ["ConfigError", "read_hf_config", "config_from_hf", "hf_config_from_model", "declared_dtype",
+           "check_same_shapes", "family_of"]
 
 
 def read_hf_config(hf_dir: str) -> tuple[ModelConfig, dict]:
@@ -32,11 +34,7 @@ def read_hf_config(hf_dir: str) -> tuple[ModelConfig, dict]:
   path = os.path.join(os.fspath(hf_dir), "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{hf_dir!r} has no config.json")
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{path}: not valid JSON ({e})") from e
+  raw = read_json_object(path)
   return config_from_hf(raw, source=path), raw
 
 
@@ -50,95 +48,97 @@ def family_of(hf: dict, source: str = "config.json") -> str:
   return family
 
 
-def _need(hf: dict, field: str, source: str):
-  if hf.get(field) is None:
-    raise ConfigError(f"{source}: missing field {field!r} (model_type {hf.get('model_type')!r})")
-  return hf[field]
-
-
-def _int(hf: dict, field: str, source: str) -> int:
-  value = _need(hf, field, source)
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ConfigError(f"{source}: field {field!r} must be a positive integer, got {value!r}")
-  return value
-
-
-def _token_ids(hf: dict, family: str, vocab_size: int) -> dict:
-  """Ids from config.json, else the released model's; an optional default outside the vocab becomes None."""
+def _token_ids(hf: dict, family: str, vocab_size: int, source: str) -> tuple[dict, tuple[str, ...]]:
+  """(ids from config.json, else the released model's; fields that took a default). An optional default
+  outside the vocabulary becomes None; a required one is checked later (check_token_ids)."""
   ids = dict(DEFAULT_IDS[family])
   for field in ("bos_token_id", "eot_token_id"):
     if ids[field] is not None and ids[field] >= vocab_size:
       ids[field] = None
+  defaults = []
   for field in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "eot_token_id"):
-    value = hf.get(field)
-    if isinstance(value, list):  # some configs list several eos ids; the first is the canonical one
-      value = value[0] if value else None
+    value = token_id(hf.get(field), field, source)
     if value is not None:
-      ids[field] = int(value)
-  return ids
+      ids[field] = value
+    elif ids[field] is not None:
+      defaults.append(field)
+  return ids, tuple(defaults)
 
 
-def _dtype(hf: dict) -> str:
-  name = hf.get("torch_dtype") or hf.get("dtype")
-  return name if name in ("float32", "bfloat16", "float16") else "float32"
+def declared_dtype(hf: dict, source: str = "config.json") -> str | None:
+  """config.json's `torch_dtype` (or `dtype`), checked; None when it names none."""
+  field = "torch_dtype" if hf.get("torch_dtype") is not None else "dtype"
+  return get_str(hf, field, source, default=None, choices=TORCH_DTYPES)
+
+
+def _dtype(hf: dict, source: str) -> str:
+  return declared_dtype(hf, source) or "float32"
 
 
 def _unsupported(source: str, field: str, value, why: str):
   raise ConfigError(f"{source}: {field}={value!r} is not supported ({why})")
 
 
+def _finish(source: str, family: str, vocab: int, hf: dict, **fields) -> ModelConfig:
+  ids, defaults = _token_ids(hf, family, vocab, source)
+  dtype = _dtype(hf, source)
+  config = build_model_config(source, vocab_size=vocab, family=family, dtype=dtype, param_dtype=dtype, **ids,
+                              **fields)
+  return check_token_ids(config, source, defaults)
+
+
 def _llada(hf: dict, source: str) -> ModelConfig:
-  if hf.get("block_type", "llama") != "llama":
+  if get_str(hf, "block_type", source, default="llama") != "llama":
     _unsupported(source, "block_type", hf["block_type"], "only the 'llama' block with separate q/k/v/ff_proj/up_proj")
-  if hf.get("include_bias"):
+  if get_bool(hf, "include_bias", source):
     _unsupported(source, "include_bias", True, "LLaDA's released models have no linear biases")
-  if hf.get("alibi") or hf.get("rope") is False:
+  if get_bool(hf, "alibi", source) or get_bool(hf, "rope", source, default=True) is False:
     _unsupported(source, "rope", hf.get("rope"), "position encoding must be RoPE")
-  if hf.get("layer_norm_type", "rms") != "rms":
+  if get_str(hf, "layer_norm_type", source, default="rms") != "rms":
     _unsupported(source, "layer_norm_type", hf["layer_norm_type"], "only RMSNorm")
-  d_model, n_heads = _int(hf, "d_model", source), _int(hf, "n_heads", source)
+  d_model, n_heads = get_int(hf, "d_model", source), get_int(hf, "n_heads", source)
   if d_model % n_heads:
     raise ConfigError(f"{source}: d_model {d_model} is not a multiple of n_heads {n_heads}")
-  n_kv = hf.get("n_kv_heads")
+  n_kv = get_int(hf, "n_kv_heads", source, default=None)
   if n_kv is None:
-    n_kv = 1 if hf.get("multi_query_attention") else n_heads
-  mlp = hf.get("mlp_hidden_size")
+    n_kv = 1 if get_bool(hf, "multi_query_attention", source) else n_heads
+  mlp = get_int(hf, "mlp_hidden_size", source, default=None)
   if mlp is None:
-    mlp = _int(hf, "mlp_ratio", source) * d_model
-  vocab = _int(hf, "vocab_size", source)
-  rows = max(vocab, hf.get("embedding_size") or vocab)
-  return ModelConfig(
-      vocab_size=rows, embed_dim=d_model, num_layers=_int(hf, "n_layers", source),
-      num_heads=n_heads, num_kv_heads=int(n_kv), head_dim=d_model // n_heads, mlp_dim=int(mlp),
-      rope_theta=float(_need(hf, "rope_theta", source)), norm_eps=float(_need(hf, "rms_norm_eps", source)),
-      qkv_bias=bool(hf.get("include_qkv_bias", False)), tie_embeddings=bool(hf.get("weight_tying", False)),
-      logit_shift=False, family="llada", dtype=_dtype(hf), param_dtype=_dtype(hf), **_token_ids(hf, "llada", rows))
+    mlp = get_int(hf, "mlp_ratio", source) * d_model
+  vocab = get_int(hf, "vocab_size", source)
+  rows = max(vocab, get_int(hf, "embedding_size", source, default=vocab))
+  return _finish(
+      source, "llada", rows, hf, embed_dim=d_model, num_layers=get_int(hf, "n_layers", source),
+      num_heads=n_heads, num_kv_heads=n_kv, head_dim=d_model // n_heads, mlp_dim=mlp,
+      rope_theta=get_float(hf, "rope_theta", source), norm_eps=get_float(hf, "rms_norm_eps", source),
+      qkv_bias=get_bool(hf, "include_qkv_bias", source), tie_embeddings=get_bool(hf, "weight_tying", source),
+      logit_shift=False)
 
 
 def _dream(hf: dict, source: str) -> ModelConfig:
   if hf.get("rope_scaling"):
     _unsupported(source, "rope_scaling", hf["rope_scaling"], "plain RoPE only")
-  if hf.get("hidden_act", "silu") != "silu":
+  if get_str(hf, "hidden_act", source, default="silu") != "silu":
     _unsupported(source, "hidden_act", hf["hidden_act"], "SwiGLU with silu only")
-  hidden, heads = _int(hf, "hidden_size", source), _int(hf, "num_attention_heads", source)
-  head_dim = hf.get("head_dim")
+  hidden, heads = get_int(hf, "hidden_size", source), get_int(hf, "num_attention_heads", source)
+  head_dim = get_int(hf, "head_dim", source, default=None)
   if head_dim is None:
     if hidden % heads:
       raise ConfigError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
                         "no head_dim is given")
     head_dim = hidden // heads
-  vocab = _int(hf, "vocab_size", source)
-  return ModelConfig(
-      vocab_size=vocab, embed_dim=hidden, num_layers=_int(hf, "num_hidden_layers", source),
-      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-      mlp_dim=_int(hf, "intermediate_size", source), rope_theta=float(_need(hf, "rope_theta", source)),
-      norm_eps=float(_need(hf, "rms_norm_eps", source)), qkv_bias=True,
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), logit_shift=True, family="dream",
-      dtype=_dtype(hf), param_dtype=_dtype(hf), **_token_ids(hf, "dream", vocab))
+  vocab = get_int(hf, "vocab_size", source)
+  return _finish(
+      source, "dream", vocab, hf, embed_dim=hidden, num_layers=get_int(hf, "num_hidden_layers", source),
+      num_heads=heads, num_kv_heads=get_int(hf, "num_key_value_heads", source, default=heads), head_dim=head_dim,
+      mlp_dim=get_int(hf, "intermediate_size", source), rope_theta=get_float(hf, "rope_theta", source),
+      norm_eps=get_float(hf, "rms_norm_eps", source), qkv_bias=True,
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", source), logit_shift=True)
 
 
-def config_from_hf(hf: dict, *, source: str = "config.json") -> ModelConfig:
+def config_from_hf(hf: Any, *, source: str = "config.json") -> ModelConfig:
   """ModelConfig of a parsed config.json; `source` names the file in errors."""
+  hf = require_object(hf, source)
   family = family_of(hf, source)
   return _llada(hf, source) if family == "llada" else _dream(hf, source)
 

@@ -11,11 +11,13 @@ import logging
 import os
 from collections import Counter
 
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
 from d2f_jax.convert import mapping
-from d2f_jax.convert.hf_config import read_hf_config
+from d2f_jax.convert.errors import CheckpointError
+from d2f_jax.convert.hf_config import declared_dtype, read_hf_config
 from d2f_jax.convert.pickle_io import PickleReader, find_pickles
 from d2f_jax.convert.safetensors_io import CheckpointReader, TensorInfo, find_safetensors
 from d2f_jax.convert.util import as_numpy_dtype, assign
@@ -25,10 +27,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # row buffer for transposed / cast copies
 _MAX_LISTED = 8
-
-
-class CheckpointError(ValueError):
-  """Checkpoint tensors that do not fit the config.json next to them."""
 
 
 def open_weights(hf_dir: str, allow_pickle: bool = False):
@@ -54,9 +52,17 @@ def _listing(names, infos: dict[str, TensorInfo] | None = None) -> str:
   return ", ".join(shown) + more
 
 
+def is_float_dtype(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return dtype.kind == "f" or dtype in (as_numpy_dtype("bfloat16"), np.dtype(ml_dtypes.float8_e4m3fn),
+                                        np.dtype(ml_dtypes.float8_e5m2))
+
+
 def check_tensors(infos: dict[str, TensorInfo], entries: dict[str, mapping.Entry], config: ModelConfig,
-                  where: str) -> None:
-  """Every expected tensor present, every present tensor expected, every shape as config.json implies."""
+                  where: str, declared_dtype: str | None = None) -> None:
+  """Every expected tensor present, every present tensor expected, every shape as config.json implies, every
+  dtype a float one and (when config.json names a torch_dtype) that one: checked before any model is built,
+  so relabelled bytes (F32 -> I32) are refused here instead of building an int32 model."""
   present = {n for n in infos if not n.endswith(mapping.IGNORED_SUFFIXES)}
   missing, unexpected = set(entries) - present, present - set(entries)
   if missing or unexpected:
@@ -70,11 +76,18 @@ def check_tensors(infos: dict[str, TensorInfo], entries: dict[str, mapping.Entry
       parts.append(f"{len(unexpected)} unexpected tensor(s) that a {config.family} model with this config.json does "
                    f"not use: {_listing(unexpected, infos)}")
     raise CheckpointError(f"checkpoint {where!r}: " + "; ".join(parts) + "." + hint)
+  expected_dtype = as_numpy_dtype(declared_dtype) if declared_dtype else None
   for name, entry in entries.items():
     info = infos[name]
     if tuple(info.shape) != entry.hf_shape:
       raise CheckpointError(f"checkpoint {where!r}: tensor {name!r} in {os.path.basename(info.path)} has shape "
                             f"{list(info.shape)}, expected {list(entry.hf_shape)} from config.json")
+    if expected_dtype is not None and np.dtype(info.dtype) != expected_dtype:
+      raise CheckpointError(f"checkpoint {where!r}: tensor {name!r} in {os.path.basename(info.path)} has dtype "
+                            f"{np.dtype(info.dtype).name}, expected {expected_dtype.name} (config.json torch_dtype)")
+    if not is_float_dtype(info.dtype):
+      raise CheckpointError(f"checkpoint {where!r}: tensor {name!r} in {os.path.basename(info.path)} has dtype "
+                            f"{np.dtype(info.dtype).name}, expected a floating-point dtype for model weights")
 
 
 def checkpoint_dtype(infos) -> np.dtype:
@@ -113,10 +126,10 @@ def load_hf_params(hf_dir: str, *, dtype=None, allow_pickle: bool = False, progr
   returned config's `param_dtype` and `dtype` are set to it.
   """
   hf_dir = os.fspath(hf_dir)
-  config, _ = read_hf_config(hf_dir)
+  config, raw = read_hf_config(hf_dir)
   entries = mapping.expected_tensors(config)
   with open_weights(hf_dir, allow_pickle) as reader:
-    check_tensors(reader.infos, entries, config, hf_dir)
+    check_tensors(reader.infos, entries, config, hf_dir, declared_dtype(raw))
     infos = [reader.infos[n] for n in entries]
     target = as_numpy_dtype(dtype) if dtype is not None else checkpoint_dtype(infos)
     flat = {path: np.empty(shape, target) for path, shape in mapping.param_shapes(config).items()}

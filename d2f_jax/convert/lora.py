@@ -15,7 +15,9 @@ import re
 import numpy as np
 
 from d2f_jax.convert import mapping
-from d2f_jax.convert.hf_import import checkpoint_dtype, copy_tensor
+from d2f_jax.convert.errors import ConvertError
+from d2f_jax.convert.validate import build_lora_config, get_bool, get_float, get_int, read_json_object
+from d2f_jax.convert.hf_import import checkpoint_dtype, copy_tensor, is_float_dtype
 from d2f_jax.convert.pickle_io import PickleReader
 from d2f_jax.convert.safetensors_io import CheckpointReader, TensorSpec, write_file
 from d2f_jax.convert.util import as_numpy_dtype, atomic_dir
@@ -32,7 +34,7 @@ MERGE_EINSUM = {"q": "er,rhd->ehd", "k": "er,rhd->ehd", "v": "er,rhd->ehd", "o":
 _LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
-class AdapterError(ValueError):
+class AdapterError(ConvertError):
   """An adapter that does not fit the base model or uses PEFT features this converter does not support."""
 
 
@@ -73,7 +75,9 @@ def _targets(value, family: str, source: str) -> tuple[str, ...]:
     raise AdapterError(f"{source}: target_modules must be a non-empty list of module names, got {value!r}")
   targets = set()
   for name in value:
-    short = str(name).rsplit(".", 1)[-1]
+    if not isinstance(name, str):
+      raise AdapterError(f"{source}: target_modules must list module names (strings), got {name!r}")
+    short = name.rsplit(".", 1)[-1]
     if short not in known:
       other = [f for f in mapping.TABLES if f != family and short in peft_target_names(f)]
       hint = f" ('{short}' is a {other[0]} module name: is this adapter for a {other[0]} base?)" if other else ""
@@ -88,8 +92,10 @@ def read_adapter_config(adapter_dir: str, family: str) -> tuple[LoraConfig, dict
   path = os.path.join(os.fspath(adapter_dir), ADAPTER_CONFIG)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{adapter_dir!r} has no {ADAPTER_CONFIG} (is it a PEFT adapter directory?)")
-  with open(path) as f:
-    raw = json.load(f)
+  try:
+    raw = read_json_object(path)
+  except ConvertError as e:
+    raise AdapterError(str(e)) from e
   if raw.get("peft_type", "LORA") != "LORA":
     raise AdapterError(f"{path}: peft_type {raw['peft_type']!r} is not supported, only 'LORA'")
   for field, ok in (("use_dora", lambda v: not v), ("fan_in_fan_out", lambda v: not v),
@@ -101,8 +107,15 @@ def read_adapter_config(adapter_dir: str, family: str) -> tuple[LoraConfig, dict
   for field in ("r", "lora_alpha", "target_modules"):
     if raw.get(field) is None:
       raise AdapterError(f"{path}: missing field {field!r}")
-  lora = LoraConfig(rank=int(raw["r"]), alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout") or 0.0),
-                    targets=_targets(raw["target_modules"], family, path), use_rslora=bool(raw.get("use_rslora")))
+  try:
+    lora = build_lora_config(
+        path, rank=get_int(raw, "r", path), alpha=get_float(raw, "lora_alpha", path),
+        dropout=get_float(raw, "lora_dropout", path, default=0.0, positive=False, below=1.0),
+        targets=_targets(raw["target_modules"], family, path), use_rslora=get_bool(raw, "use_rslora", path))
+  except AdapterError:
+    raise
+  except ConvertError as e:
+    raise AdapterError(str(e)) from e
   return lora, raw
 
 
@@ -161,6 +174,9 @@ def read_peft_adapter(adapter_dir, config: ModelConfig, *, dtype=None, allow_pic
       out_features, in_features = base[peft_names(config.family, target, layer)[2]].hf_shape
       expected = (lora.rank, in_features) if ab == "A" else (out_features, lora.rank)
       got = tuple(reader.infos[name].shape)
+      if not is_float_dtype(reader.infos[name].dtype):
+        raise AdapterError(f"{where}: tensor {name!r} has dtype {np.dtype(reader.infos[name].dtype).name}, expected "
+                           "a floating-point dtype")
       if got != expected:
         raise AdapterError(f"{where}: tensor {name!r} has shape {list(got)}, expected {list(expected)} for rank "
                            f"{lora.rank} on this {config.family} base (adapter for a different base?)")

@@ -13,6 +13,7 @@ import os
 import ml_dtypes
 import numpy as np
 
+from d2f_jax.convert.errors import CheckpointError, one_line
 from d2f_jax.convert.safetensors_io import TensorInfo
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -23,8 +24,12 @@ def find_pickles(directory: str) -> list[str]:
   entries = sorted(os.listdir(directory))
   for entry in entries:
     if entry.endswith((".bin.index.json", ".pt.index.json")):
-      with open(os.path.join(directory, entry)) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
+      path = os.path.join(directory, entry)
+      try:
+        with open(path) as f:
+          shards = sorted(set(json.load(f)["weight_map"].values()))
+      except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a pickle checkpoint index with a 'weight_map' ({one_line(e)})") from e
       return [os.path.join(directory, s) for s in shards]
   return [os.path.join(directory, e) for e in entries
           if e.endswith(PICKLE_SUFFIXES) and not e.startswith(("training_args", "optimizer", "scheduler", "rng_state"))]
@@ -50,7 +55,7 @@ class PickleReader:
       offset = 0
       for name, tensor in self._load(path).items():
         if name in self.infos:
-          raise ValueError(f"tensor {name!r} appears in both {self.infos[name].path} and {path}")
+          raise CheckpointError(f"tensor {name!r} appears in both {self.infos[name].path} and {path}")
         array_dtype = np.dtype(ml_dtypes.bfloat16) if str(tensor.dtype) == "torch.bfloat16" else \
             np.dtype(str(tensor.dtype).replace("torch.", ""))
         nbytes = tensor.numel() * array_dtype.itemsize
@@ -62,11 +67,18 @@ class PickleReader:
       import torch
       self._loaded = {}
       try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-      except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
-      if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
+        try:
+          state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # legacy (non-zip) format cannot be memory-mapped
+          if "mmap" not in str(e):
+            raise
+          state = torch.load(path, map_location="cpu", weights_only=True)
+      except Exception as e:  # UnpicklingError (a global weights_only refuses), a corrupt zip, EOF, ...
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True), so not loaded: "
+                              f"{one_line(e)[:400]}") from e
+      if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items()):
+        raise CheckpointError(f"{path}: expected a state dict of named tensors, got {type(state).__name__}")
       self._loaded, self._loaded_path = state, path
     return self._loaded
 

@@ -7,18 +7,20 @@ import gc
 import os
 
 from d2f_jax.convert.checkpoint import LeafLoader, read_converted_meta, restore_tree, save_converted
+from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.hf_config import read_hf_config
 from d2f_jax.convert.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from d2f_jax.convert.hf_import import load_hf_params
 from d2f_jax.convert.lora import export_peft_adapter, merge_lora, read_adapter_config, read_peft_adapter
 from d2f_jax.convert.mapping import lora_shapes
-from d2f_jax.convert.util import check_out_dir
+from d2f_jax.convert.util import check_apart, check_out_dir
 
 
 def convert_hf_dir(hf_dir, out_dir, *, lora_dir=None, merge: bool = False, dtype=None, allow_pickle: bool = False,
                    overwrite: bool = False, progress: bool = True) -> str:
   """Hugging Face directory (+ optional PEFT adapter, merged or kept separate) -> converted directory."""
   hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
+  check_apart(out_dir, {"--hf_dir": hf_dir, "--lora_dir": lora_dir})  # --overwrite would delete the source
   check_out_dir(os.path.abspath(out_dir), overwrite)  # fail before the expensive part
   _, hf_config = read_hf_config(hf_dir)
   config, params = load_hf_params(hf_dir, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
@@ -47,14 +49,17 @@ def export_converted(converted_dir, out_dir=None, *, lora_out=None, dtype=None,
   """A converted directory back to Hugging Face form: the base model to `out_dir` (original config.json and
   tokenizer files), its separate LoRA, if any, as a PEFT adapter to `lora_out`. Returns what was written."""
   if out_dir is None and lora_out is None:
-    raise ValueError("export_converted needs out_dir and/or lora_out")
+    raise ConvertError("export_converted needs out_dir and/or lora_out")
   converted_dir = os.fspath(converted_dir)
   config, lora_cfg, meta = read_converted_meta(converted_dir)
   if lora_out is not None and lora_cfg is None:
-    raise ValueError(f"{converted_dir!r} has no separate LoRA adapter to export (merged, or never added)")
-  for path in (out_dir, lora_out):
+    raise ConvertError(f"{converted_dir!r} has no separate LoRA adapter to export (merged, or never added)")
+  for path, flag in ((out_dir, "--out"), (lora_out, "--export_lora")):
     if path is not None:
+      check_apart(path, {"--converted": converted_dir}, flag)
       check_out_dir(os.path.abspath(os.fspath(path)), overwrite)
+  if out_dir is not None and lora_out is not None:
+    check_apart(lora_out, {"--out": out_dir}, "--export_lora")
   written = {}
   if out_dir is not None:  # streamed: one stacked parameter in memory at a time
     loader = LeafLoader(os.path.join(converted_dir, "params"))

@@ -1,9 +1,15 @@
-"""A small streaming safetensors reader / writer of our own.
+"""Safetensors files: read through the `safetensors` library, written by a streaming writer of our own.
 
 Format: 8-byte little-endian header length N, N bytes of JSON header
 ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}), then raw
-little-endian tensor bytes. Tensors are read one at a time with seek + readinto into a buffer the caller
-may preallocate, never by mapping the whole file: mapped pages would count in the converter's RSS.
+little-endian tensor bytes.
+
+Reading: `read_header` first checks the header itself (so errors name the file and the tensor), then has the
+library validate it (it refuses overlapping, shifted or gapped `data_offsets` and files it does not fully
+cover); tensors are then read with `safe_open(framework="np")` + `get_slice` (ml_dtypes gives bf16), row
+chunk by row chunk, reopening the file per chunk: the library maps the file, and mapped pages count in the
+converter's RSS until the handle is dropped, so at most one chunk's pages stay mapped.
+Writing: the library has no streaming writer, so `write_file` writes one tensor at a time.
 """
 
 from __future__ import annotations
@@ -14,12 +20,16 @@ import os
 import struct
 from typing import Callable, Sequence
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy, which safe_open(framework="np") needs)
 import numpy as np
+import safetensors
+
+from d2f_jax.convert.errors import ConvertError
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
+READ_CHUNK_BYTES = 32 << 20  # bytes of one tensor read (and mapped) at a time
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -32,7 +42,7 @@ DTYPES: dict[str, np.dtype] = {
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(ConvertError):
   """A safetensors file or index that cannot be read as such."""
 
 
@@ -77,11 +87,15 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
   if not isinstance(header, dict):
     raise SafetensorsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
   metadata = header.pop("__metadata__", None) or {}
+  if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    raise SafetensorsError(f"{path}: __metadata__ must map strings to strings, got {metadata!r}")
   base, data_size = 8 + n, size - 8 - n
   infos = {}
   for name, entry in header.items():
     try:
-      code, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+      code, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+      if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*shape, begin, end)):
+        raise TypeError("shape and data_offsets must be non-negative integers")
     except (KeyError, TypeError, ValueError) as e:
       raise SafetensorsError(f"{path}: header entry for tensor {name!r} is malformed: {entry!r}") from e
     if code not in DTYPES:
@@ -93,22 +107,55 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
           f"{path}: tensor {name!r} ({code}, shape {list(shape)}) has byte range [{begin}, {end}) but needs "
           f"{expected} bytes inside a data section of {data_size} bytes (corrupt header or truncated file)")
     infos[name] = TensorInfo(name, dtype, shape, path, base + begin, base + end)
-  return dict(sorted(infos.items(), key=lambda kv: kv[1].start)), metadata
+  ordered = dict(sorted(infos.items(), key=lambda kv: (kv[1].start, kv[1].end)))
+  _check_tiling(path, list(ordered.values()), base, size)
+  _library_check(path, ordered)
+  return ordered, metadata
 
 
-def _readinto_exact(f, buf: memoryview, info: TensorInfo) -> None:
-  done = 0
-  while done < len(buf):
-    got = f.readinto(buf[done:])
-    if not got:
-      raise SafetensorsError(f"{info.path}: unexpected end of file while reading tensor {info.name!r}")
-    done += got
+def _check_tiling(path: str, infos: list[TensorInfo], base: int, size: int) -> None:
+  """Tensors must tile the data section exactly, in offset order: an overlap means two tensors share bytes
+  (one of them would load another's weights), a gap or a tail means the offsets were shifted or the file
+  was extended. The library refuses these too; this names the tensors."""
+  position, previous = base, None
+  for info in infos:
+    if info.start != position:
+      what = "overlap" if info.start < position else "leave a gap after"
+      after = f"tensor {previous.name!r} [{previous.start - base}, {previous.end - base})" if previous else \
+          "the start of the data section"
+      raise SafetensorsError(f"{path}: tensor {info.name!r} bytes [{info.start - base}, {info.end - base}) {what} "
+                             f"{after} (invalid data_offsets: corrupt header)")
+    position, previous = info.end, info
+  if position != size:
+    raise SafetensorsError(f"{path}: tensors cover {position - base} bytes of a data section of {size - base} "
+                           "(invalid data_offsets, or a truncated or extended file)")
+
+
+def _library_check(path: str, infos: dict[str, TensorInfo]) -> None:
+  """The safetensors library's own validation of the header, and agreement with ours on every tensor."""
+  try:
+    with safetensors.safe_open(path, framework="np") as f:
+      names = set(f.keys())
+      for name in names & set(infos):
+        sl = f.get_slice(name)
+        if tuple(sl.get_shape()) != infos[name].shape or sl.get_dtype() != _CODES[infos[name].dtype]:
+          raise SafetensorsError(f"{path}: tensor {name!r} reads as {sl.get_dtype()} {sl.get_shape()} through the "
+                                 f"safetensors library but {_CODES[infos[name].dtype]} {list(infos[name].shape)} "
+                                 "through the header (corrupt header)")
+  except SafetensorsError:
+    raise
+  except Exception as e:  # safetensors.SafetensorError and the library's other refusals
+    raise SafetensorsError(f"{path}: refused by the safetensors library: {e} (corrupt header or file)") from e
+  if names != set(infos):
+    raise SafetensorsError(f"{path}: the safetensors library sees tensors {sorted(names ^ set(infos))} differently "
+                           "(duplicate names in the header?)")
 
 
 class CheckpointReader:
   """All tensors of a checkpoint directory or file: one file, or shards named by a `*.safetensors.index.json`.
 
-  `read(name)` returns one tensor (optionally a row range of it) and keeps one open handle per file.
+  `read(name)` returns one tensor (optionally a row range of it), read through the safetensors library in
+  row chunks of at most READ_CHUNK_BYTES; no file stays open (or mapped) between reads.
   """
 
   def __init__(self, path: str):
@@ -116,7 +163,6 @@ class CheckpointReader:
     self.root = path
     self.infos: dict[str, TensorInfo] = {}
     self.metadata: dict[str, str] = {}
-    self._handles: dict[str, object] = {}
     if os.path.isfile(path):
       self.infos, self.metadata = read_header(path)
       return
@@ -154,29 +200,35 @@ class CheckpointReader:
     if name not in self.infos:
       raise KeyError(f"tensor {name!r} is not in checkpoint {self.root!r}")
     info = self.infos[name]
-    shape, start = info.shape, info.start
-    if rows is not None:
-      lo, hi = rows
-      if not shape or not 0 <= lo <= hi <= shape[0]:
-        raise ValueError(f"rows {rows} out of range for tensor {name!r} of shape {list(shape)}")
-      row_bytes = info.nbytes // shape[0] if shape[0] else 0
-      shape, start = (hi - lo,) + shape[1:], start + lo * row_bytes
+    lo, hi = (0, info.shape[0] if info.shape else 0) if rows is None else rows
+    if rows is not None and (not info.shape or not 0 <= lo <= hi <= info.shape[0]):
+      raise ValueError(f"rows {rows} out of range for tensor {name!r} of shape {list(info.shape)}")
+    shape = info.shape if rows is None else (hi - lo,) + info.shape[1:]
     if out is None:
       out = np.empty(shape, info.dtype)
     if out.shape != shape or out.dtype != info.dtype or not out.flags.c_contiguous:
       raise ValueError(f"buffer for tensor {name!r} must be C-contiguous {info.dtype} {shape}, got "
                        f"{out.dtype} {out.shape}")
-    f = self._handles.get(info.path)
-    if f is None:
-      f = self._handles[info.path] = open(info.path, "rb", buffering=0)
-    f.seek(start)
-    _readinto_exact(f, memoryview(out.reshape(-1).view(np.uint8)), info)
+    if not info.shape:  # a scalar has no rows to slice
+      with safetensors.safe_open(info.path, framework="np") as f:
+        out[...] = f.get_tensor(name)
+      return out
+    row_bytes = max(1, int(np.prod(info.shape[1:], dtype=np.int64)) * info.dtype.itemsize)
+    step = max(1, READ_CHUNK_BYTES // row_bytes)
+    flat = out.reshape(hi - lo, -1).view(f"u{info.dtype.itemsize}") if out.size else None
+    for start in range(lo, hi, step):
+      stop = min(hi, start + step)
+      with safetensors.safe_open(info.path, framework="np") as f:  # one chunk's pages mapped at a time
+        block = f.get_slice(name)[start:stop]
+      if block.dtype != info.dtype or block.shape != (stop - start,) + info.shape[1:]:
+        raise SafetensorsError(f"{info.path}: tensor {name!r} rows [{start}, {stop}) read as {block.dtype} "
+                               f"{list(block.shape)}, expected {info.dtype} {[stop - start, *info.shape[1:]]}")
+      flat[start - lo:stop - lo] = block.reshape(stop - start, -1).view(flat.dtype)
+      del block
     return out
 
   def close(self) -> None:
-    for f in self._handles.values():
-      f.close()
-    self._handles.clear()
+    """Nothing stays open between reads; kept so readers work as context managers."""
 
   def __enter__(self):
     return self

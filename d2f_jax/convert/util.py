@@ -1,13 +1,26 @@
-"""Small helpers shared by the converters: dtype names, atomic output directories, side files."""
+"""Small helpers shared by the converters: dtype names, atomic output directories, side files.
+
+Output directories are built as `<out>.tmp-<host>-<pid>-XXXX` beside `<out>` and renamed into place; on an
+error (or a SIGTERM the CLI turns into an exception) the temp dir is removed, and a temp dir left by a
+process that was killed outright (SIGKILL, power loss) is removed by the next conversion to the same
+`<out>` once its pid is dead on this host.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from typing import Iterator
+
+from d2f_jax.convert.errors import ConvertError
+
+log = logging.getLogger(__name__)
 
 import ml_dtypes
 import numpy as np
@@ -53,15 +66,72 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
                           "replace it")
 
 
+def check_apart(out_dir, sources: dict[str, str | None], out_flag: str = "--out") -> None:
+  """Refuse an output that is, lies inside, or contains one of the inputs (`{flag: path}`): replacing it
+  would delete the source checkpoint."""
+  out = os.path.realpath(os.fspath(out_dir))
+  for flag, source in sources.items():
+    if source is None:
+      continue
+    src = os.path.realpath(os.fspath(source))
+    if out == src:
+      why = "is the same directory as"
+    elif out.startswith(src.rstrip(os.sep) + os.sep):
+      why = "lies inside"
+    elif src.startswith(out.rstrip(os.sep) + os.sep):
+      why = "contains"
+    else:
+      continue
+    raise ConvertError(f"{out_flag} {out_dir!r} {why} {flag} {source!r}; writing there would replace the source. "
+                       "Choose an output directory outside it")
+
+
+def _host() -> str:
+  return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+def remove_stale_temp_dirs(out_dir: str) -> list[str]:
+  """Remove `<out>.tmp-<host>-<pid>-*` / `<out>.old-...` left by dead processes of this host; returns them."""
+  out = os.path.abspath(os.fspath(out_dir))
+  parent, base = os.path.dirname(out), os.path.basename(out)
+  if not os.path.isdir(parent):
+    return []
+  pattern = re.compile(re.escape(base) + r"\.(?:tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
+  removed = []
+  for entry in sorted(os.listdir(parent)):
+    m = pattern.match(entry)
+    if m is None or m.group("host") != _host() or _pid_alive(int(m.group("pid"))):
+      continue
+    path = os.path.join(parent, entry)
+    log.warning("removing %s, left behind by process %s that no longer runs (an interrupted conversion)", path,
+                m.group("pid"))
+    shutil.rmtree(path, ignore_errors=True)
+    removed.append(path)
+  return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
-  """Yield a fresh `<out>.tmp-XXXX` directory beside `out_dir`; on success it replaces `out_dir` by rename,
-  on failure it is removed, so `out_dir` is never left half written."""
+  """Yield a fresh `<out>.tmp-<host>-<pid>-XXXX` directory beside `out_dir`; on success it replaces `out_dir` by
+  rename, on failure (any exception, including the CLI's SIGTERM) it is removed, so `out_dir` is never left
+  half written. Stale temp dirs of dead processes are removed first."""
   out = os.path.abspath(os.fspath(out_dir))
   check_out_dir(out, overwrite)
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=parent)
+  remove_stale_temp_dirs(out)
+  tag = f"{_host()}-{os.getpid()}-"
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-" + tag, dir=parent)
   try:
     yield tmp
   except BaseException:
@@ -71,7 +141,7 @@ def atomic_dir(out_dir: str, *, overwrite: bool = False) -> Iterator[str]:
   old = None
   if os.path.isdir(out):
     if os.listdir(out):
-      old = tempfile.mkdtemp(prefix=os.path.basename(out) + ".old-", dir=parent)
+      old = tempfile.mkdtemp(prefix=os.path.basename(out) + ".old-" + tag, dir=parent)
       os.rename(out, os.path.join(old, "d"))
     else:
       os.rmdir(out)
