@@ -2,7 +2,12 @@
 
 A diffusion decoder writes whole blocks, so a completion rarely ends where the function does: it runs on
 into test code, a `__main__` block or a markdown fence. Post-processing keeps the function and drops the
-rest before `prompt + completion + test + check(entry_point)` runs in the sandbox (evals/sandbox.py).
+rest. The candidate sandbox runs `prompt + completion`; a separate judge sandbox runs the prompt's own
+helpers and the tests and calls `check` on the candidate's entry point across the sandbox boundary, so the
+verdict is the judge's, not the completion's exit status (evals/sandbox.py has the threat model).
+
+Protocol (the built-in fast path): the prompt is the problem's own prompt (completion style, no chat
+template, no few-shot), one greedy or sampled generation per problem (pass@1), human-eval's truncation.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import dataclasses
 import re
 
 from d2f_jax.evals.data import default_path, read_jsonl
-from d2f_jax.evals.sandbox import Sandbox
+from d2f_jax.evals.sandbox import Sandbox, TestProgram
 
 DEFAULT_FILE = "HumanEval.jsonl.gz"
 FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
@@ -82,8 +87,8 @@ def defines_entry_point(completion: str, entry_point: str) -> bool:
   return any(m.group(1) == entry_point for m in (_DEF.match(l) for l in completion.split("\n")) if m)
 
 
-def build_program(problem: dict, completion: str) -> str:
-  """What the sandbox runs: prompt + completion + tests + check(entry_point).
+def candidate_source(problem: dict, completion: str) -> str:
+  """What the candidate sandbox runs: prompt + completion.
 
   A completion that redefines the entry point (full mode) follows a `pass` that closes the prompt's
   own definition, so the prompt's imports and helpers stay and the completion's definition wins.
@@ -91,7 +96,20 @@ def build_program(problem: dict, completion: str) -> str:
   prompt = problem["prompt"]
   if defines_entry_point(completion, problem["entry_point"]):
     prompt = prompt.rstrip("\n") + "\n    pass\n\n"
-  return f"{prompt}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+  return f"{prompt}{completion}\n"
+
+
+def build_test(problem: dict, completion: str) -> TestProgram:
+  """The sandboxed test: the candidate defines the entry point; the judge runs the prompt (its helpers,
+  e.g. HumanEval/38's encode_cyclic, with the entry point left as its docstring stub) and the tests."""
+  tests = f"{problem['prompt']}\n\n{problem['test']}\n"
+  return TestProgram(candidate=candidate_source(problem, completion), tests=tests,
+                     entry_point=problem["entry_point"])
+
+
+def build_program(problem: dict, completion: str) -> str:
+  """The classic single program (prompt + completion + tests + check), for reading or an unjudged run."""
+  return f"{candidate_source(problem, completion)}\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
 @dataclasses.dataclass
@@ -114,12 +132,14 @@ class HumanEvalTask:
   def score(self, items: list[dict], generations: list[str]) -> list[dict]:
     completions = [truncate_completion(g, item["problem"]["entry_point"])
                    for item, g in zip(items, generations, strict=True)]
-    programs = [build_program(item["problem"], c) for item, c in zip(items, completions)]
-    results = self.sandbox.run_many(programs, self.workers)
+    tests = [build_test(item["problem"], c) for item, c in zip(items, completions)]
+    results = self.sandbox.run_many(tests, self.workers)
     return [{"id": item["id"], "kept": c, "extracted": None, "target": None, "correct": r.passed,
              "status": r.status, "reason": r.reason, "exec_seconds": round(r.seconds, 3)}
             for item, c, r in zip(items, completions, results)]
 
   def options(self) -> dict:
     return {"path": self.path or default_path(DEFAULT_FILE), "workers": self.workers,
-            "sandbox": self.sandbox.isolation()}
+            "sandbox": self.sandbox.describe(),
+            "protocol": "built-in: the problem's prompt as is (no chat template, no few-shot), human-eval "
+                        "style truncation of the completion, pass@1 from one generation per problem"}
