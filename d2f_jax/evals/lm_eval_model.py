@@ -1,0 +1,197 @@
+"""`d2f_jax` as an lm-evaluation-harness model, so scores follow the protocol published numbers used.
+
+    python -m d2f_jax.evals.lm_eval_model --model d2f_jax \\
+        --model_args pretrained=PATH,method=d2f,add_bos=True --tasks gsm8k_d2f \\
+        --include_path d2f_jax/evals/lm_eval_tasks --num_fewshot 4 --apply_chat_template \\
+        --fewshot_as_multiturn --output_path results/lm_eval --log_samples
+
+This module registers the model and then runs lm-eval's own command line (any lm-eval flag works; the
+results JSON and samples files are lm-eval's). `import d2f_jax.evals.lm_eval_model` is enough to use
+`lm_eval.simple_evaluate(model="d2f_jax", ...)` from Python.
+
+generate_until runs any decoding method of d2f_jax.decode (method=d2f|threshold|vanilla|ar|...), greedy
+unless the request samples, cut at the request's `until` strings and capped at its max_gen_toks (the
+decoder's block multiple above that is generated and dropped). A `mesh=data=1;tensor=8` model argument
+(';' between axes: model_args are comma-separated) loads the weights sharded over a device mesh and decodes on it. loglikelihood and loglikelihood_rolling
+are not implemented: a masked-diffusion model gives a bound (ELBO) rather than an exact log-likelihood,
+and multiple-choice tasks are not part of the D2F evaluation; they raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+_DECODE_FIELDS = ("method", "block_size", "max_blocks_in_flight", "tau_add", "tau_act", "tau_conf", "temperature",
+                  "top_p", "steps", "alg", "prompt_buckets")
+
+
+def cut_at_stops(text: str, until: list[str]) -> str:
+  """`text` up to the first occurrence of any stop string (lm-eval's `until` semantics)."""
+  cut = min((i for i in (text.find(s) for s in until if s) if i >= 0), default=len(text))
+  return text[:cut]
+
+
+class D2FJaxLM(LM):
+  """lm-eval model over d2f_jax.load_model + d2f_jax.decode.generate.
+
+  pretrained: HF or converted checkpoint directory (or pass `model`, a LoadedModel, from Python).
+  add_bos: prepend BOS to every context that does not start with it (the D2F authors' GSM8K setting).
+  batch_size: contexts per generate call. The remaining keyword arguments are DecodeConfig fields.
+  """
+
+  def __init__(self, pretrained: str | None = None, *, model=None, dtype: str | None = None, lora: str | None = None,
+               attention: str | None = None, mesh: str | None = None, add_bos: bool = False, batch_size=1,
+               max_gen_toks: int = 512, seed: int = 0, stop_tokens: str | None = None, max_batch_size=None,
+               device=None, **decode_options):
+    super().__init__()
+    import d2f_jax
+    from d2f_jax.decode import DecodeConfig
+
+    unknown = sorted(set(decode_options) - set(_DECODE_FIELDS))
+    if unknown:
+      raise ValueError(f"d2f_jax model_args: unknown option(s) {', '.join(unknown)}; decoding options are "
+                       f"{', '.join(_DECODE_FIELDS)}")
+    if (model is None) == (pretrained is None):
+      raise ValueError("d2f_jax model_args: give exactly one of pretrained=PATH or model=LoadedModel")
+    self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+    if self.batch_size < 1:
+      raise ValueError(f"d2f_jax: batch_size must be a positive int, got {batch_size!r}")
+    self.max_gen_toks, self.add_bos, self.seed = int(max_gen_toks), bool(add_bos), int(seed)
+    self.mesh = _make_mesh(mesh) if mesh else None
+    if model is None:
+      model = d2f_jax.load_model(str(pretrained), dtype=dtype, lora_dir=lora, attention=attention, mesh=self.mesh)
+    elif self.mesh is not None:
+      model = model.shard(self.mesh)
+    self.model = model
+    self.tokenizer = model.tokenizer
+    if self.tokenizer is None:
+      raise ValueError(f"d2f_jax: no tokenizer next to the checkpoint {model.source!r}")
+    stops = None
+    if stop_tokens is not None:
+      text = str(stop_tokens).strip().lower()
+      stops = () if text == "none" else tuple(int(t) for t in text.replace(";", ",").split(",") if t.strip())
+    self.base_config = DecodeConfig(max_new_tokens=_round_up(self.max_gen_toks, decode_options.get(
+        "block_size", DecodeConfig.block_size)), stop_tokens=stops, **decode_options)
+    self.requests_seen: list[tuple[list[int], dict]] = []  # (prompt ids, generation settings), for tests
+
+  # --- lm-eval interface ---------------------------------------------------------------------------
+  @property
+  def tokenizer_name(self) -> str:
+    return str(getattr(self.tokenizer, "name_or_path", "") or self.model.source).replace("/", "__")
+
+  def chat_template(self, chat_template: bool | str = False) -> str | None:
+    if not chat_template:
+      return None
+    return chat_template if isinstance(chat_template, str) else getattr(self.tokenizer, "chat_template", None)
+
+  def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    return self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=not add_generation_prompt)
+
+  def loglikelihood(self, requests):
+    raise NotImplementedError(
+        "d2f_jax: loglikelihood is not implemented (a masked-diffusion model gives an ELBO, not an exact "
+        "log-likelihood); use generate_until tasks such as gsm8k_d2f or humaneval_d2f")
+
+  def loglikelihood_rolling(self, requests):
+    raise NotImplementedError(
+        "d2f_jax: loglikelihood_rolling is not implemented (see loglikelihood); perplexity tasks cannot run")
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    """One continuation per request; requests with equal settings are batched `batch_size` at a time."""
+    settings = [self._settings(r.args[1] if len(r.args) > 1 else {}) for r in requests]
+    prompts = [self._encode(r.args[0]) for r in requests]
+    outputs: list[str | None] = [None] * len(requests)
+    groups: dict[tuple, list[int]] = {}
+    for i, (config, until, limit) in enumerate(settings):
+      groups.setdefault((config, tuple(until), limit), []).append(i)
+    for (config, until, limit), rows in groups.items():
+      for start in range(0, len(rows), self.batch_size):
+        chunk = rows[start:start + self.batch_size]
+        for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], config, limit)):
+          outputs[i] = cut_at_stops(text, list(until))
+          self.cache_hook.add_partial("generate_until", requests[i].args, outputs[i])
+    return outputs
+
+  # --- internals -----------------------------------------------------------------------------------
+  def _settings(self, gen_kwargs: dict):
+    """(DecodeConfig, stop strings, max tokens) of one request's generation kwargs."""
+    kwargs = dict(gen_kwargs or {})
+    until = kwargs.pop("until", None) or []
+    until = [until] if isinstance(until, str) else list(until)
+    limit = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+    if limit < 1:
+      raise ValueError(f"d2f_jax: max_gen_toks must be positive, got {limit}")
+    config = self.base_config
+    do_sample = bool(kwargs.pop("do_sample", False))
+    temperature = float(kwargs.pop("temperature", config.temperature if do_sample else 0.0))
+    top_p = float(kwargs.pop("top_p", config.top_p))
+    changes = {"max_new_tokens": _round_up(limit, config.block_size) if config.method != "ar" else limit,
+               "temperature": temperature if do_sample or temperature > 0 else 0.0, "top_p": top_p}
+    ignored = sorted(set(kwargs) - {"num_beams", "top_k", "repetition_penalty"})
+    if ignored:
+      print(f"d2f_jax: ignoring generation kwargs {ignored}", file=sys.stderr)
+    return dataclasses.replace(config, **changes), until, limit
+
+  def _encode(self, context: str) -> list[int]:
+    ids = list(self.tokenizer(context, add_special_tokens=False)["input_ids"])
+    bos = getattr(self.model.config, "bos_token_id", None)
+    if self.add_bos:
+      if bos is None:
+        raise ValueError("d2f_jax: add_bos=True but the model config has no bos_token_id")
+      if not ids or ids[0] != bos:
+        ids = [bos] + ids
+    if not ids:
+      raise ValueError("d2f_jax: a request's context encodes to no tokens")
+    return ids
+
+  def _generate(self, prompts: list[list[int]], config, limit: int) -> list[str]:
+    import jax
+
+    from d2f_jax.decode import generate
+    from d2f_jax.evals.runner import decode_continuation
+
+    kwargs = {}
+    if self.mesh is not None and "mesh" in inspect.signature(generate).parameters:
+      kwargs["mesh"] = self.mesh  # the model is already sharded there; passing it keeps the intent explicit
+    for ids in prompts:
+      self.requests_seen.append((ids, {"max_new_tokens": config.max_new_tokens, "limit": limit}))
+    result = generate(self.model, prompts, config, key=jax.random.key(self.seed), **kwargs)
+    return [decode_continuation(self.model, p, ids[:limit]) for p, ids in zip(prompts, result.to_lists())]
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-int(n) // multiple) * multiple
+
+
+def _make_mesh(text: str):
+  """A jax Mesh from 'data=1,tensor=8' (the --mesh syntax of generate / evaluate; ';' may stand for ',')."""
+  import jax
+
+  from d2f_jax.decode.flags import parse_mesh
+  from d2f_jax.train import sharding
+  return sharding.make_mesh(parse_mesh(text.replace(";", ",")), jax.devices())
+
+
+def main(argv: list[str] | None = None) -> None:
+  """lm-eval's command line with `d2f_jax` registered (this module is imported, which registers it)."""
+  from lm_eval.__main__ import cli_evaluate
+  argv = sys.argv[1:] if argv is None else list(argv)
+  saved = sys.argv
+  sys.argv = ["lm-eval", *argv]
+  try:
+    cli_evaluate()
+  finally:
+    sys.argv = saved
+
+
+if __name__ == "__main__":  # register and run the importable copy, so the class is registered once
+  from d2f_jax.evals import lm_eval_model
+  lm_eval_model.main()
+else:
+  register_model("d2f_jax")(D2FJaxLM)
