@@ -164,11 +164,23 @@ def test_full_function_completion_runs_after_the_prompt(tmp_path):
   completion = humaneval.truncate_completion(generation, problem["entry_point"])
   program = humaneval.build_program(problem, completion)
   assert program.startswith(problem["prompt"].rstrip("\n") + "\n    pass\n")
-  task = humaneval.HumanEvalTask(workers=1)
+  task = humaneval.HumanEvalTask(workers=1, sandbox=_sandbox())
   item = {"id": problem["task_id"], "prompt": problem["prompt"], "problem": problem}
   records = task.score([item, item, item], [generation, body + "\nprint('junk')\n", "    return None\n"])
   assert [r["correct"] for r in records] == [True, True, False]
   assert records[2]["status"] == "failed" and records[2]["reason"]
+
+
+def _sandbox(**limits):
+  """The bubblewrap sandbox, or the explicit process fallback on hosts without namespaces (warned)."""
+  import warnings
+
+  from d2f_jax.evals.sandbox import Sandbox, bubblewrap_unavailable_reason
+  if bubblewrap_unavailable_reason() is None:
+    return Sandbox(**limits)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return Sandbox(isolation="process", **limits)
 
 
 # --- runner end to end -----------------------------------------------------------------------------
@@ -210,14 +222,15 @@ def test_cli_gsm8k_end_to_end(checkpoint, tmp_path):
 def test_runner_humaneval_batched(checkpoint, tmp_path):
   import d2f_jax
   from d2f_jax.decode import DecodeConfig
-  from d2f_jax.evals import Sandbox, make_task, run_benchmark
+  from d2f_jax.evals import make_task, run_benchmark
 
   model = d2f_jax.load_model(checkpoint)
-  task = make_task("humaneval", sandbox=Sandbox(timeout_s=5.0), workers=2)
+  task = make_task("humaneval", sandbox=_sandbox(timeout_s=5.0), workers=2)
   config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=16, max_blocks_in_flight=2, prompt_buckets=256)
   results = run_benchmark(model, task, config, batch_size=2, limit=2, out_dir=str(tmp_path), log=None)
   assert results["metric"] == "pass@1" and results["total"] == 2 and results["correct"] == 0
   assert results["settings"]["batch_size"] == 2 and results["task_options"]["sandbox"]["timeout_s"] == 5.0
+  assert results["task_options"]["sandbox"]["isolation"] == task.sandbox.isolation  # recorded in results.json
   samples = _read_samples(tmp_path / "samples.jsonl")
   assert [s["id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]
   assert all(s["status"] in ("failed", "timeout") and s["batch"] == 0 for s in samples)
@@ -250,3 +263,21 @@ def test_generation_text_is_read_after_the_prompt(checkpoint):
 
   fake = type("M", (), {"tokenizer": Joined()})()
   assert decode_continuation(fake, [1, 2], [3, 4]) == "34"
+
+
+# --- standard error, protocol labels ------------------------------------------------------------
+
+def test_score_stderr_matches_lm_evals_and_a_hand_value():
+  from d2f_jax.evals.stats import mean_stderr, score_stderr_percent
+  outcomes = [1, 0, 1, 1, 0, 1, 1, 1]
+  p, n = 6 / 8, 8
+  assert mean_stderr(outcomes) == pytest.approx((p * (1 - p) * n / (n - 1) / n) ** 0.5, rel=1e-12)
+  assert score_stderr_percent([bool(o) for o in outcomes]) == pytest.approx(100 * mean_stderr(outcomes))
+  metrics = pytest.importorskip("lm_eval.api.metrics")
+  assert mean_stderr(outcomes) == pytest.approx(metrics.mean_stderr(outcomes), rel=1e-12)
+  assert mean_stderr([1]) is None and mean_stderr([0, 0]) == 0.0
+
+
+def test_builtin_tasks_say_which_protocol_they_follow():
+  assert "built-in" in gsm8k.Gsm8kTask().options()["protocol"]
+  assert "not lm-eval's gsm8k" in gsm8k.Gsm8kTask().options()["protocol"]

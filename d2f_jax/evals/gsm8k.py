@@ -4,6 +4,12 @@ The paper scores LLaDA on GSM8K 4-shot through lm-eval, whose prompt is "Questio
 joined by blank lines and whose answer is the number after "#### ". Diffusion decoders fill whole blocks,
 so a generation usually runs on into a made-up next question; it is cut at the first stop string before
 the answer is read.
+
+Protocol of this built-in fast path (recorded in results.json as task_options.protocol): 4-shot from the
+built-in exemplars below (not lm-eval's seeded draw from the train split), plain text (no chat template
+unless --chat), this module's stop strings and its answer extraction ('####', 'The answer is', else the
+last number). It is not the paper's protocol: for numbers comparable with the D2F paper use the lm-eval
+adapter (evals/lm_eval_model.py, task gsm8k_d2f: chat template, few-shot as multi-turn, BOS, 512 tokens).
 """
 
 from __future__ import annotations
@@ -185,4 +191,8 @@ class Gsm8kTask:
   def options(self) -> dict:
     return {"path": self.path or default_path(DEFAULT_FILE), "n_shot": self.n_shot,
             "fewshot": self.fewshot_path or "builtin", "fewshot_seed": self.fewshot_seed,
-            "stop_strings": list(STOP_STRINGS)}
+            "stop_strings": list(STOP_STRINGS),
+            "protocol": f"built-in: {self.n_shot}-shot 'Question:/Answer:' blocks from "
+                        f"{'the built-in exemplars' if self.fewshot_path is None else 'a seeded draw'}, "
+                        "this harness's stop strings and answer extraction; not lm-eval's gsm8k (see "
+                        "d2f_jax.evals.lm_eval_model for the paper's protocol)"}
