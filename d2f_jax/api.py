@@ -2,6 +2,11 @@
 
 The returned `LoadedModel` keeps the model split into a static graph and a parameter state, the form
 every jitted entry point (decoders, trainer) takes, plus the tokenizer found in the same directory.
+
+On a mesh, `load_model(path, mesh=mesh)` places each weight straight from host memory into its training
+sharding (heads / mlp / vocab over tensor, embed over fsdp): no device ever holds the whole model, which
+is what lets an 8B model in bf16 load onto chips smaller than it. `model.shard(mesh)` moves a loaded one.
+`generate` / `evaluate` then decode on that mesh.
 """
 
 from __future__ import annotations
@@ -28,6 +33,21 @@ class LoadedModel:
   tokenizer: Any = None
   lora: LoraConfig | None = None
   source: str = ""
+  placement: Any = None  # decode.DecodeMesh the state lives on (None: one device)
+
+  @property
+  def mesh(self):
+    return None if self.placement is None else self.placement.mesh
+
+  def shard(self, mesh, rules=None) -> "LoadedModel":
+    """A copy with the weights in the logical `rules`' shardings on `mesh` (default rules: training's)."""
+    from d2f_jax.decode.runner import shard_model
+    return shard_model(self, mesh, rules)
+
+  def with_attention(self, impl: str) -> "LoadedModel":
+    """A copy whose attention runs as `impl` ('auto', 'xla', 'pallas', 'interpret_gpu', 'interpret_tpu')."""
+    from d2f_jax.decode.runner import with_attention
+    return with_attention(self, impl)
 
   @property
   def module(self) -> Transformer:
@@ -71,9 +91,10 @@ class LoadedModel:
 
 
 def model_from_params(config: ModelConfig, params: dict, lora: LoraConfig | None = None,
-                      lora_params: dict | None = None) -> tuple[Any, Any]:
+                      lora_params: dict | None = None, placement=None) -> tuple[Any, Any]:
   """(graphdef, state) of a Transformer holding `params` (pure nested dict in our layout), without
-  materialising a random initialisation first. Shapes are checked leaf by leaf."""
+  materialising a random initialisation first. Shapes are checked leaf by leaf. With `placement` (a
+  decode.DecodeMesh) host arrays go slice by slice straight into their shardings."""
   abstract = nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   values = {**params, "layers": {**params.get("layers", {}), **((lora_params or {}).get("layers", {}))}}
@@ -88,10 +109,26 @@ def model_from_params(config: ModelConfig, params: dict, lora: LoraConfig | None
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"parameter {'.'.join(map(str, path))} has shape {tuple(value.shape)}, "
                        f"expected {tuple(var.shape)}")
+  if placement is not None:
+    from d2f_jax.decode.mesh import place_state
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: _host_cast(v, config.weight_dtype), values))
+    return graphdef, place_state(state, placement)
   nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: jnp.asarray(v, config.weight_dtype)
-                                          if np.issubdtype(np.asarray(v).dtype, np.floating) or
-                                          str(np.asarray(v).dtype) == "bfloat16" else jnp.asarray(v), values))
+                                          if _is_float(v) else jnp.asarray(v), values))
   return graphdef, state
+
+
+def _is_float(v) -> bool:
+  dtype = np.asarray(v).dtype if not hasattr(v, "dtype") else np.dtype(v.dtype)
+  return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+
+
+def _host_cast(v, dtype):
+  """A host (numpy) copy in `dtype` for floats; device arrays are left where they are."""
+  if isinstance(v, jax.Array):
+    return v.astype(dtype) if _is_float(v) else v
+  v = np.asarray(v)
+  return v.astype(dtype) if _is_float(v) and v.dtype != dtype else v
 
 
 def _flatten(tree: dict, prefix: tuple = ()):
@@ -120,13 +157,18 @@ def load_tokenizer(path: str):
 
 
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
-               allow_pickle: bool = False, progress: bool = False) -> LoadedModel:
+               allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
+               rules=None) -> LoadedModel:
   """Load a model from a Hugging Face directory (config.json + safetensors) or a converted directory.
 
   dtype: storage and compute dtype ('bfloat16', 'float32'); default keeps the checkpoint's.
   lora_dir: a PEFT adapter directory, merged into the weights (`merge_lora`) or kept as separate LoRA
   parameters (the form the trainer continues from).
+  attention: ModelConfig.attention_impl ('auto', 'xla', 'pallas', ...); default keeps the config's.
+  mesh / rules: place the weights straight into their shardings on this jax Mesh (axes data, fsdp,
+  tensor) by these logical-axis rules (default: training's, train/config.py DEFAULT_RULES).
   """
+  from d2f_jax.decode.mesh import as_decode_mesh
   from d2f_jax import convert
 
   path = os.fspath(path)
@@ -147,6 +189,9 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
     if merge_lora:
       params = convert.merge_lora(params, lora_cfg, lora_params, config, inplace=True)
       lora_cfg = lora_params = None
-  graphdef, state = model_from_params(config, params, lora_cfg, lora_params)
+  if attention is not None:
+    config = config.replace(attention_impl=attention)
+  placement = as_decode_mesh(mesh, rules)
+  graphdef, state = model_from_params(config, params, lora_cfg, lora_params, placement=placement)
   return LoadedModel(config=config, graphdef=graphdef, state=state, tokenizer=load_tokenizer(path),
-                     lora=lora_cfg, source=path)
+                     lora=lora_cfg, source=path, placement=placement)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d2f_jax.models.attention import PAD_ID
 from d2f_jax.models.config import ModelConfig
+from d2f_jax.models.sharding_hints import MeshLayout, current_layout
 
 
 @flax.struct.dataclass
@@ -26,8 +28,22 @@ class KVCache:
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
     dtype = config.compute_dtype if dtype is None else dtype
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               ids=jnp.full((batch, max_len), PAD_ID, jnp.int32), length=jnp.zeros((batch,), jnp.int32))
+    cache = cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                ids=jnp.full((batch, max_len), PAD_ID, jnp.int32), length=jnp.zeros((batch,), jnp.int32))
+    return cache.constrain(current_layout())
+
+  def constrain(self, layout: MeshLayout | None) -> "KVCache":
+    """Pin the cache to `layout` (a no-op without one): rows over its batch axes, kv heads over its head
+    axis when that divides them (else replicated across it, e.g. Dream-7B's 4 kv heads on tensor 8)."""
+    if layout is None or layout.num_devices == 1:
+      return self
+    rows = layout.batch_split(self.ids.shape[0]) or None
+    heads = layout.head_axis if self.k.shape[3] % layout.head_size() == 0 else None
+    def pin(x, spec):
+      return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    kv = P(None, rows, None, heads, None)  # [L, B, S, K, D]
+    return KVCache(k=pin(self.k, kv), v=pin(self.v, kv), ids=pin(self.ids, P(rows, None)),
+                   length=pin(self.length, P(rows)))
 
   @property
   def max_len(self) -> int:
