@@ -3,6 +3,10 @@
 Loads the model, runs the task with the chosen decoder (d2f by default, the paper's thresholds) and writes
 results.json (score, tokens/s, tokens per forward, latency, every setting) and samples.jsonl (one line
 per problem) to --out. The work is done in d2f_jax/evals/; this file only parses flags.
+
+`--mesh data=2,tensor=4` decodes on that mesh of this process's devices. Under jax.distributed
+(`--distributed auto` detects SLURM, Open MPI, TPU pod slices) every process takes every N-th batch on its
+own devices and process 0 writes the merged files.
 """
 
 from __future__ import annotations
@@ -11,9 +15,8 @@ import argparse
 import sys
 import time
 
-from d2f_jax.decode.flags import add_decode_flags, decode_config_from_flags
+from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags, setup_devices
 from d2f_jax.evals.runner import TASKS, WARMUPS
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
   h.add_argument("--exec_workers", type=int, default=2, help="programs run at once")
   d = p.add_argument_group("decoding (see d2f_jax.decode.DecodeConfig)")
   add_decode_flags(d)
+  add_device_flags(p.add_argument_group("devices"))
   return p
 
 
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.limit is not None and args.limit < 1:
     raise SystemExit(f"--limit must be a positive int, got {args.limit}")
   config = decode_config_from_flags(args)
+  mesh = setup_devices(args, local=True)  # before any other JAX call (jax.distributed)
   task = make_task(args)
   try:  # read the benchmark before the (slow) model load, so a bad file fails at once
     task.load(args.limit)
@@ -73,10 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
   import d2f_jax
   from d2f_jax.evals.runner import run_benchmark
 
-  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir)
+  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
+                             mesh=mesh)
   results = run_benchmark(model, task, config, batch_size=args.batch_size, limit=args.limit, chat=args.chat,
                           add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
-  print(f"wrote {results['files']['results']} and {results['files']['samples']}", file=sys.stderr)
+  if "files" in results:  # process 0
+    print(f"wrote {results['files']['results']} and {results['files']['samples']}", file=sys.stderr)
   return results
 
 

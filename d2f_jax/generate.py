@@ -2,7 +2,8 @@
 
 Streams the response as it settles (host-driven steps, so text appears block by block), or with
 `--no_stream` runs the whole generation as one jitted loop and prints it; then reports tokens/s and
-tokens per forward.
+tokens per forward. `--mesh data=1,tensor=8` decodes with the weights split over 8 devices (all processes'
+devices under --distributed: every process runs the same prompt; process 0 prints).
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ import argparse
 import sys
 import time
 
-
 from d2f_jax.decode import generate, stream
-from d2f_jax.decode.flags import add_decode_flags, decode_config_from_flags
-
+from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
   group.add_argument("--prompt_ids", help="comma-separated prompt token ids (no tokenizer needed)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
   add_decode_flags(p)
+  add_device_flags(p)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_stream", action="store_true", help="one jitted loop, print at the end")
   p.add_argument("--warmup", action="store_true", help="compile with one run first, so timings exclude it")
@@ -58,12 +58,17 @@ def _text(model, ids) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
+  config = decode_config_from_flags(args)
+  from d2f_jax.decode.flags import setup_devices
+  mesh = setup_devices(args)  # before any other JAX call (jax.distributed)
   import jax
 
   import d2f_jax
 
-  config = decode_config_from_flags(args)
-  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora)
+  if jax.process_count() > 1 and not args.no_stream:
+    raise SystemExit("streaming reads the state on one process; pass --no_stream with several processes")
+  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
+  say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   prompt = _prompt_ids(model, args)
   key = jax.random.key(args.seed)
   if args.warmup:
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
   if args.no_stream:
     result = generate(model, [prompt], config, key=key)
     ids, forwards = result.to_lists()[0], int(result.forwards[0])
-    print(_text(model, ids), flush=True)
+    say(_text(model, ids), flush=True)
   else:
     ids, forwards, shown = [], 0, ""
     for chunk in stream(model, prompt, config, key=key):
@@ -89,9 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
                tokens_per_s=len(ids) / seconds if seconds > 0 else float("nan"),
                tokens_per_forward=len(ids) / forwards if forwards else float("nan"))
   note = "" if args.warmup else " (includes compilation; --warmup excludes it)"
-  print(f"[{args.method}] {stats['tokens']} tokens in {stats['forwards']} forwards "
-        f"({stats['tokens_per_forward']:.2f} tokens/forward), {seconds:.2f}s, {stats['tokens_per_s']:.1f} tokens/s"
-        f"{note}", file=sys.stderr)
+  devices = "" if mesh is None else f" on mesh {dict(mesh.shape)}"
+  say(f"[{args.method}] {stats['tokens']} tokens in {stats['forwards']} forwards "
+      f"({stats['tokens_per_forward']:.2f} tokens/forward), {seconds:.2f}s, {stats['tokens_per_s']:.1f} tokens/s"
+      f"{devices}{note}", file=sys.stderr)
   return stats
 
 

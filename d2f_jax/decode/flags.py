@@ -1,4 +1,5 @@
-"""The decoding flags every command line shares (generate, evaluate), and the DecodeConfig they build."""
+"""The flags every decoding command line shares (generate, evaluate): the DecodeConfig they build, and where
+the decode runs (--attention, --mesh, --distributed)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,67 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket)
   except ValueError as e:
     raise SystemExit(f"bad decoding option: {e}") from e
+
+
+ATTENTION_CHOICES = ("auto", "xla", "pallas")
+DISTRIBUTED_CHOICES = ("auto", "on", "off")
+
+
+def add_device_flags(parser) -> None:
+  """Add --attention, --mesh and --distributed (where the decode runs)."""
+  parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
+                      help="attention implementation: Pallas kernels on GPU/TPU with 'auto' (the XLA reference on "
+                           "CPU), 'xla' everywhere, 'pallas' always")
+  parser.add_argument("--mesh", default=None,
+                      help="decode on a device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; unnamed axes 1, "
+                           "one may be -1 = the remaining devices); weights split by training's logical rules")
+  parser.add_argument("--distributed", default="auto", choices=DISTRIBUTED_CHOICES,
+                      help="jax.distributed.initialize(): 'auto' when the environment shows a multi-process launch")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """'data=2,tensor=4' -> {'data': 2, 'tensor': 4}; names and sizes are checked."""
+  from d2f_jax.train.config import MESH_AXES
+
+  sizes: dict[str, int] = {}
+  for part in (p.strip() for p in text.split(",") if p.strip()):
+    axis, eq, value = part.partition("=")
+    axis = axis.strip()
+    if not eq or axis not in MESH_AXES:
+      raise ValueError(f"--mesh {text!r}: expected comma-separated axis=size with axes {', '.join(MESH_AXES)}")
+    if axis in sizes:
+      raise ValueError(f"--mesh {text!r}: axis {axis!r} is given twice")
+    try:
+      size = int(value)
+    except ValueError:
+      raise ValueError(f"--mesh {text!r}: size of {axis!r} must be an int, got {value.strip()!r}") from None
+    if size == 0 or size < -1:
+      raise ValueError(f"--mesh {text!r}: size of {axis!r} must be positive or -1, got {size}")
+    sizes[axis] = size
+  if not sizes:
+    raise ValueError(f"--mesh {text!r}: no axis given")
+  return sizes
+
+
+def setup_devices(args: argparse.Namespace, *, local: bool = False):
+  """Start jax.distributed as --distributed says, then build the --mesh (None without one). `local`: the
+  mesh spans this process's devices only (evaluation splits problems across processes instead).
+  Call before any other JAX work. A bad flag exits naming it."""
+  from d2f_jax.train import sharding
+
+  try:
+    sizes = parse_mesh(args.mesh) if args.mesh else None
+  except ValueError as e:
+    raise SystemExit(str(e)) from e
+  try:
+    sharding.maybe_initialize_distributed(args.distributed)
+  except RuntimeError as e:
+    raise SystemExit(f"--distributed {args.distributed}: jax.distributed.initialize() failed: {e}") from e
+  if sizes is None:
+    return None
+  import jax
+  devices = jax.local_devices() if local else jax.devices()
+  try:
+    return sharding.make_mesh(sizes, devices)
+  except ValueError as e:
+    raise SystemExit(f"--mesh {args.mesh}: {e}") from e

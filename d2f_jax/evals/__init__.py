@@ -14,6 +14,7 @@ _EXPORTS = {
     "HumanEvalTask": "humaneval", "build_program": "humaneval", "truncate_completion": "humaneval",
     "TASKS": "runner", "make_task": "runner", "run_benchmark": "runner",
     "ExecResult": "sandbox", "Sandbox": "sandbox",
+    "Processes": "processes", "assign_batches": "processes", "merge_shares": "processes",
 }
 __all__ = list(_EXPORTS)
 

@@ -5,6 +5,9 @@ including the stop token, as `d2f_jax.generate` counts them) over the wall time 
 tokens per forward = generated tokens over model forwards, and latency per sample. The paper's setting is
 batch 1; larger batches are allowed and say so in the results. Compilation is kept out of the timing by
 warm-up calls (one per distinct prompt shape by default); a timed call that still compiled is counted.
+
+Several processes (jax.distributed) split the batches between them (evals/processes.py); process 0 writes
+one results.json / samples.jsonl equal in content and order to a single-process run's (timings aside).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.evals.data import write_json, write_jsonl
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
+from d2f_jax.evals.processes import Processes, assign_batches, jax_processes, merge_shares
 from d2f_jax.tasks.arithmetic import ArithmeticTask
 
 TASKS = {"gsm8k": Gsm8kTask, "humaneval": HumanEvalTask, "arithmetic": ArithmeticTask}
@@ -71,14 +75,18 @@ def decode_continuation(model, prompt: list[int], generated: list[int]) -> str:
   return whole[len(head):] if whole.startswith(head) else text(generated)
 
 
-def _warmup_batches(batches: list[list[int]], prompts, config: DecodeConfig, mode: str) -> list[int]:
-  """Indices of the batches to run untimed first: one per distinct (rows, padded length) shape."""
-  if mode == "none" or not batches:
+def _warmup_batches(batches: list[list[int]], prompts, config: DecodeConfig, mode: str,
+                    mine: list[int] | None = None) -> list[int]:
+  """Indices of the batches (among `mine`, default all) to run untimed first: one per distinct
+  (rows, padded length) shape."""
+  mine = list(range(len(batches))) if mine is None else mine
+  if mode == "none" or not mine:
     return []
   if mode == "first":
-    return [0]
+    return [mine[0]]
   first_of_shape: dict[tuple[int, int], int] = {}
-  for b, rows in enumerate(batches):
+  for b in mine:
+    rows = batches[b]
     shape = (len(rows), config.bucket(max(len(prompts[i]) for i in rows)))
     first_of_shape.setdefault(shape, b)
   return sorted(first_of_shape.values())
@@ -86,26 +94,33 @@ def _warmup_batches(batches: list[list[int]], prompts, config: DecodeConfig, mod
 
 def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, limit: int | None = None,
                   chat: bool = False, add_bos: bool = False, warmup: str = "shapes", seed: int = 0,
-                  out_dir: str | None = None, log: Callable[[str], None] | None = _stderr) -> dict:
+                  out_dir: str | None = None, log: Callable[[str], None] | None = _stderr,
+                  processes: Processes | None = None) -> dict:
   """Generate for every item of `task`, score, time, and (with `out_dir`) write results.json + samples.jsonl.
 
-  model: a LoadedModel (anything with .config, .graphdef, .state, .encode, .decode). warmup: 'shapes'
-  (one untimed call per distinct prompt shape, so no compile is timed), 'first' (the first batch only)
-  or 'none'. Returns the results dict that results.json holds.
+  model: a LoadedModel (anything with .config, .graphdef, .state, .encode, .decode; a `shard`ed one decodes
+  on its mesh). warmup: 'shapes' (one untimed call per distinct prompt shape, so no compile is timed),
+  'first' (the first batch only) or 'none'. processes: this process's share and the gather (default: the
+  JAX job's processes); every process returns the merged results, process 0 writes the files.
+  Returns the results dict that results.json holds.
   """
   if not isinstance(batch_size, int) or batch_size < 1:
     raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
   if warmup not in WARMUPS:
     raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
+  procs = jax_processes() if processes is None else processes
   log = log or (lambda message: None)
+  if procs.count > 1:
+    log = (lambda inner: lambda message: inner(f"[process {procs.index}/{procs.count}] {message}"))(log)
   items = task.load(limit)
   prompts = encode_prompts(model, items, chat=chat, add_bos=add_bos)
   batches = [list(range(i, min(i + batch_size, len(items)))) for i in range(0, len(items), batch_size)]
+  mine = assign_batches(len(batches), procs.index, procs.count)
   key = jax.random.key(seed)
   call = lambda b: generate(model, [prompts[i] for i in batches[b]], config,  # noqa: E731
                             key=jax.random.fold_in(key, b))
 
-  warm = _warmup_batches(batches, prompts, config, warmup)
+  warm = _warmup_batches(batches, prompts, config, warmup, mine)
   start = time.perf_counter()
   for b in warm:
     jax.block_until_ready(call(b))
@@ -113,39 +128,46 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
   if warm:
     log(f"[{task.name}] warm-up: {len(warm)} untimed batch(es) in {warmup_seconds:.1f}s (compilation)")
 
-  ids: list[list[int]] = [[] for _ in items]
-  forwards = np.zeros(len(items), np.int64)
-  latency = np.zeros(len(items))
-  batch_of = np.zeros(len(items), np.int64)
+  ids: dict[int, list[int]] = {}
+  forwards, latency, batch_of = {}, {}, {}
   batch_seconds, compiled_batches = [], 0
-  report_every = max(1, len(batches) // 10)
-  for b, rows in enumerate(batches):
+  report_every = max(1, len(mine) // 10)
+  for n, b in enumerate(mine):
+    rows = batches[b]
     traces = trace_count("loop")
     start = time.perf_counter()
     result = jax.block_until_ready(call(b))
     seconds = time.perf_counter() - start
     compiled_batches += trace_count("loop") > traces
-    batch_seconds.append(seconds)
+    batch_seconds.append([b, seconds])
     for row, tokens, f in zip(rows, result.to_lists(), np.asarray(result.forwards)):
       ids[row], forwards[row], latency[row], batch_of[row] = tokens, int(f), seconds, b
-    if (b + 1) % report_every == 0 or b + 1 == len(batches):
-      done = rows[-1] + 1
-      tokens_so_far = sum(len(ids[i]) for i in range(done))
-      log(f"[{task.name}] {done}/{len(items)} samples, {tokens_so_far / sum(batch_seconds):.1f} tokens/s")
+    if (n + 1) % report_every == 0 or n + 1 == len(mine):
+      tokens_so_far = sum(len(t) for t in ids.values())
+      log(f"[{task.name}] {len(ids)}/{len(items)} samples, "
+          f"{tokens_so_far / sum(s for _, s in batch_seconds):.1f} tokens/s")
 
-  generations = [decode_continuation(model, prompts[i], t) for i, t in enumerate(ids)]
-  records = task.score(items, generations)
-  samples = []
-  for i, (item, text, record) in enumerate(zip(items, generations, records)):
+  rows_mine = sorted(ids)
+  generations = [decode_continuation(model, prompts[i], ids[i]) for i in rows_mine]
+  records = task.score([items[i] for i in rows_mine], generations)
+  share = []
+  for i, text, record in zip(rows_mine, generations, records):
     kept_tokens = len(model.encode(record["kept"])) if record["kept"].strip() else 0
-    samples.append({"id": item["id"], "prompt_tokens": len(prompts[i]), "generation": text, **record,
-                    "tokens": len(ids[i]), "kept_tokens": kept_tokens, "forwards": int(forwards[i]),
-                    "batch": int(batch_of[i]), "latency_s": round(float(latency[i]), 6)})
+    share.append([i, {"id": items[i]["id"], "prompt_tokens": len(prompts[i]), "generation": text, **record,
+                      "tokens": len(ids[i]), "kept_tokens": kept_tokens, "forwards": forwards[i],
+                      "batch": batch_of[i], "latency_s": round(float(latency[i]), 6)}])
+  merged = merge_shares(procs.gather({"samples": share, "batch_seconds": batch_seconds, "warmup_batches": len(warm),
+                                      "warmup_seconds": warmup_seconds, "compiled_batches": compiled_batches}),
+                        len(items), len(batches))
+  samples = merged["samples"]
 
-  results = summarize(model, task, config, samples, batch_seconds, batch_size=batch_size, limit=limit,
-                      chat=chat, add_bos=add_bos, seed=seed, warmup=dict(mode=warmup, batches=len(warm),
-                      seconds=round(warmup_seconds, 3), compiled_batches_in_timing=compiled_batches))
-  if out_dir is not None:
+  results = summarize(model, task, config, samples, merged["batch_seconds"], batch_size=batch_size, limit=limit,
+                      chat=chat, add_bos=add_bos, seed=seed,
+                      warmup=dict(mode=warmup, batches=merged["warmup_batches"],
+                                  seconds=round(merged["warmup_seconds"], 3),
+                                  compiled_batches_in_timing=merged["compiled_batches"]))
+  results["speed"]["processes"] = procs.count
+  if out_dir is not None and procs.is_main:
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "results.json"), results)
     write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
@@ -156,6 +178,11 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
       f"{speed['tokens_per_s'] or 0:.1f} tokens/s, {speed['tokens_per_forward'] or 0:.2f} tokens/forward, "
       f"{speed['latency_s_mean']:.2f}s latency per sample (batch {batch_size})")
   return results
+
+
+def _mesh_shape(model) -> dict | None:
+  placement = getattr(model, "placement", None)
+  return None if placement is None else {k: int(v) for k, v in placement.mesh.shape.items()}
 
 
 def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seconds: list[float], *,
@@ -171,7 +198,7 @@ def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seco
   seconds = float(sum(batch_seconds))
   per = lambda n, d: n / d if d > 0 else None  # noqa: E731  (None, not NaN: results.json stays strict JSON)
   latencies = [s["latency_s"] for s in samples]
-  speed = {
+  speed = {  # with several processes: seconds summed over them (per-process throughput), see "processes"
       "tokens": tokens, "kept_tokens": kept, "forwards": forwards, "generate_seconds": round(seconds, 6),
       "tokens_per_s": per(tokens, seconds), "kept_tokens_per_s": per(kept, seconds),
       "tokens_per_forward": per(tokens, forwards), "seconds_per_sample": per(seconds, total),
@@ -182,6 +209,7 @@ def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seco
       "task": task.name, "metric": task.metric, "score": 100.0 * correct / total, "correct": correct,
       "total": total, "model": getattr(model, "source", ""), "family": model.config.family,
       "model_dtype": model.config.dtype, "lora": getattr(model, "lora", None) is not None,
+      "attention": model.config.attention_impl, "mesh": _mesh_shape(model),
       "decode": dataclasses.asdict(config), "settings": settings, "task_options": task.options(),
       "speed": speed, "environment": environment(),
       "notes": ("score in percent. tokens = generated ids up to and including the stop token over the "
