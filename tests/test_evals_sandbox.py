@@ -69,13 +69,15 @@ FORGERIES = {
                                  "        except OSError:\n            pass\n    return 0\n"),
     "search gc and frames for the token": (
         "    import gc, sys\n    found = [o for o in gc.get_objects() if isinstance(o, dict) and 'token' in o]\n"
-        "    f = sys._getframe()\n    while f:\n        found += [v for v in f.f_locals.values() if isinstance(v, dict)]\n"
+        "    f = sys._getframe()\n    while f:\n"
+        "        found += [v for v in f.f_locals.values() if isinstance(v, dict)]\n"
         "        f = f.f_back\n    assert not any('token' in d for d in found), found\n    return 0\n"),
     "an always-equal result": ("    class Eq:\n        def __eq__(self, other):\n            return True\n"
                                "    return Eq()\n"),
     "an int subclass that equals all": ("    class Eq(int):\n        def __eq__(self, other):\n"
                                         "            return True\n    return Eq(0)\n"),
-    "patch builtins and check": ("    return 0\nimport builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
+    "patch builtins and check": ("    return 0\nimport builtins\n"
+                                 "builtins.AssertionError = type('Quiet', (Exception,), {})\n"
                                  "check = lambda candidate: None\nbuiltins.check = check\n"),
     "trace and skip the asserts": ("    import sys\n    caller = sys._getframe(1)\n"
                                    "    def jump(frame, event, arg):\n        return jump\n"
@@ -166,8 +168,11 @@ def test_new_processes_cannot_act_on_the_host(sandbox, host):
   assert host["unchanged"]()
 
 
-def test_fork_bomb_is_bounded(sandbox):
-  code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+@pytest.mark.parametrize("nested_user_namespace", [False, True])
+def test_fork_bomb_is_bounded(sandbox, nested_user_namespace):
+  """RLIMIT_NPROC binds because the sandbox user is no host root; a nested user namespace still counts."""
+  unshare = "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0\n" if nested_user_namespace else ""
+  code = (unshare + "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
           "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
           "except OSError as e:\n    print(n, type(e).__name__, flush=True)\n")
   start = time.perf_counter()

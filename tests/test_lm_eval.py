@@ -111,7 +111,7 @@ def test_paper_protocol_chat_template_multiturn_and_bos(model, at_repo_root):
   ids, seen = lm.requests_seen[-1]
   assert ids[0] == model.config.bos_token_id and ids.count(model.config.bos_token_id) == 1
   assert seen["limit"] == 8 and seen["max_new_tokens"] == 8
-  task = _task_manager().load_task_or_group(["gsm8k_d2f"])["gsm8k_d2f"]
+  task = _task_manager().load("gsm8k_d2f")["tasks"]["gsm8k_d2f"]
   assert task.config.num_fewshot == 4 and task.config.generation_kwargs["max_gen_toks"] == 512
   assert task.config.generation_kwargs["until"] == ["Question:", "</s>", "<|im_end|>"]
 

@@ -12,9 +12,10 @@ results JSON and samples files are lm-eval's). `import d2f_jax.evals.lm_eval_mod
 generate_until runs any decoding method of d2f_jax.decode (method=d2f|threshold|vanilla|ar|...), greedy
 unless the request samples, cut at the request's `until` strings and capped at its max_gen_toks (the
 decoder's block multiple above that is generated and dropped). A `mesh=data=1;tensor=8` model argument
-(';' between axes: model_args are comma-separated) loads the weights sharded over a device mesh and decodes on it. loglikelihood and loglikelihood_rolling
-are not implemented: a masked-diffusion model gives a bound (ELBO) rather than an exact log-likelihood,
-and multiple-choice tasks are not part of the D2F evaluation; they raise NotImplementedError.
+(';' between axes, as model_args are comma-separated) loads the weights sharded over a device mesh and
+decodes on it. loglikelihood and loglikelihood_rolling are not implemented: a masked-diffusion model gives
+a bound (ELBO) rather than an exact log-likelihood, and multiple-choice tasks are not part of the D2F
+evaluation; they raise NotImplementedError.
 """
 
 from __future__ import annotations

@@ -165,4 +165,4 @@ def probe(python: str) -> str | None:
     return str(e)
   if result.passed:
     return None
-  return f"a trivial program did not run under bwrap: {result.reason} {result.stderr.strip()[-300:]}"
+  return f"a trivial program did not run under bwrap: {result.stderr.strip()[-300:] or result.reason}"
