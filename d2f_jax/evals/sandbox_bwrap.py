@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -132,6 +133,8 @@ def write_id_maps(info_fd: int, block_fd: int) -> None:
   data = b""
   try:
     while True:
+      if not select.select([info_fd], [], [], 30.0)[0]:
+        raise BubblewrapUnavailable("bwrap did not report its namespaces within 30 s")
       chunk = os.read(info_fd, 4096)
       if not chunk:
         raise BubblewrapUnavailable(f"bwrap exited before creating its namespaces{_said(data)}")
