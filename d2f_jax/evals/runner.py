@@ -27,6 +27,7 @@ from d2f_jax.evals.data import write_json, write_jsonl
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
 from d2f_jax.evals.processes import Processes, assign_batches, jax_processes, merge_shares
+from d2f_jax.evals.stats import score_stderr_percent
 from d2f_jax.tasks.arithmetic import ArithmeticTask
 
 TASKS = {"gsm8k": Gsm8kTask, "humaneval": HumanEvalTask, "arithmetic": ArithmeticTask}
@@ -206,7 +207,8 @@ def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seco
       "warmup": warmup,
   }
   return {
-      "task": task.name, "metric": task.metric, "score": 100.0 * correct / total, "correct": correct,
+      "task": task.name, "metric": task.metric, "score": 100.0 * correct / total,
+      "score_stderr": score_stderr_percent(s["correct"] for s in samples), "correct": correct,
       "total": total, "model": getattr(model, "source", ""), "family": model.config.family,
       "model_dtype": model.config.dtype, "lora": getattr(model, "lora", None) is not None,
       "attention": model.config.attention_impl, "mesh": _mesh_shape(model),
