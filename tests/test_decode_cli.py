@@ -39,3 +39,26 @@ def test_cli_rejects_bad_options(checkpoint):
     cli.main(["--model", checkpoint, "--prompt_ids", "1", "--block_size", "3", "--max_new_tokens", "16"])
   with pytest.raises(SystemExit, match="comma-separated"):
     cli.main(["--model", checkpoint, "--prompt_ids", "1,x"])
+
+
+def test_cli_device_flags(checkpoint, capsys):
+  from d2f_jax import generate as cli
+  from d2f_jax.decode.flags import parse_mesh
+
+  assert parse_mesh("data=2, tensor=4") == {"data": 2, "tensor": 4}
+  assert parse_mesh("fsdp=-1") == {"fsdp": -1}
+  for bad, message in (("model=2", "axes data, fsdp, tensor"), ("data=x", "must be an int"),
+                       ("data=0", "positive or -1"), ("data=2,data=2", "given twice"), (",", "no axis")):
+    with pytest.raises(ValueError, match=message):
+      parse_mesh(bad)
+  flags = ["--model", checkpoint, "--prompt_ids", "5,6,7", "--block_size", "4", "--max_new_tokens", "8",
+           "--no_stream", "--distributed", "off"]
+  with pytest.raises(SystemExit, match="--mesh data=2: .*needs 2 devices, found 1"):
+    cli.main(flags + ["--mesh", "data=2"])
+  with pytest.raises(SystemExit):
+    cli.main(flags + ["--attention", "triton"])
+  capsys.readouterr()
+  plain = cli.main(flags + ["--attention", "xla"])
+  on_mesh = cli.main(flags + ["--mesh", "tensor=-1"])  # the whole (one-device) machine as a mesh
+  assert "on mesh {'data': 1, 'fsdp': 1, 'tensor': 1}" in capsys.readouterr().err
+  assert (plain["tokens"], plain["forwards"]) == (on_mesh["tokens"], on_mesh["forwards"])
