@@ -13,9 +13,10 @@ generate_until runs any decoding method of d2f_jax.decode (method=d2f|threshold|
 unless the request samples, cut at the request's `until` strings and capped at its max_gen_toks (the
 decoder's block multiple above that is generated and dropped). A `mesh=data=1;tensor=8` model argument
 (';' between axes, as model_args are comma-separated) loads the weights sharded over a device mesh and
-decodes on it. loglikelihood and loglikelihood_rolling are not implemented: a masked-diffusion model gives
-a bound (ELBO) rather than an exact log-likelihood, and multiple-choice tasks are not part of the D2F
-evaluation; they raise NotImplementedError.
+decodes on it. loglikelihood and loglikelihood_rolling are the Monte Carlo ELBO of LLaDA's evaluation
+(evals/lm_eval_elbo.py, `mc_samples` draws, exact for one-token continuations): a lower bound on the
+log-likelihood, which is what a masked-diffusion model can give, so multiple-choice scores are comparable
+with LLaDA's lm-eval numbers, not with autoregressive models' exact log-likelihoods.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import zlib
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+
+from d2f_jax.evals.lm_eval_elbo import masked_elbo
 
 _DECODE_FIELDS = ("method", "block_size", "max_blocks_in_flight", "tau_add", "tau_act", "tau_conf", "temperature",
                   "top_p", "steps", "alg", "prompt_buckets")
@@ -47,8 +51,8 @@ class D2FJaxLM(LM):
 
   def __init__(self, pretrained: str | None = None, *, model=None, dtype: str | None = None, lora: str | None = None,
                attention: str | None = None, mesh: str | None = None, add_bos: bool = False, batch_size=1,
-               max_gen_toks: int = 512, seed: int = 0, stop_tokens: str | None = None, max_batch_size=None,
-               device=None, **decode_options):
+               max_gen_toks: int = 512, seed: int = 0, stop_tokens: str | None = None, mc_samples: int = 32,
+               max_batch_size=None, device=None, **decode_options):
     super().__init__()
     import d2f_jax
     from d2f_jax.decode import DecodeConfig
@@ -63,6 +67,7 @@ class D2FJaxLM(LM):
     if self.batch_size < 1:
       raise ValueError(f"d2f_jax: batch_size must be a positive int, got {batch_size!r}")
     self.max_gen_toks, self.add_bos, self.seed = int(max_gen_toks), bool(add_bos), int(seed)
+    self.mc_samples = int(mc_samples)
     self.mesh = _make_mesh(mesh) if mesh else None
     if model is None:
       model = d2f_jax.load_model(str(pretrained), dtype=dtype, lora_dir=lora, attention=attention, mesh=self.mesh)
@@ -94,14 +99,30 @@ class D2FJaxLM(LM):
     return self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
                                               continue_final_message=not add_generation_prompt)
 
-  def loglikelihood(self, requests):
-    raise NotImplementedError(
-        "d2f_jax: loglikelihood is not implemented (a masked-diffusion model gives an ELBO, not an exact "
-        "log-likelihood); use generate_until tasks such as gsm8k_d2f or humaneval_d2f")
+  def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    """(ELBO of the continuation given the context, whether greedy one-step decoding gives it), per request."""
+    out = []
+    for request in requests:
+      context, continuation = request.args[0], request.args[1]
+      prefix, target = self._encode_pair(context, continuation)
+      value = masked_elbo(self.model, prefix, target, samples=self.mc_samples,
+                          seed=self._request_seed(context, continuation))
+      self.cache_hook.add_partial("loglikelihood", request.args, value)
+      out.append(value)
+    return out
 
-  def loglikelihood_rolling(self, requests):
-    raise NotImplementedError(
-        "d2f_jax: loglikelihood_rolling is not implemented (see loglikelihood); perplexity tasks cannot run")
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    """ELBO of each whole string after BOS (no windowing: the string must fit the model)."""
+    bos = getattr(self.model.config, "bos_token_id", None)
+    out = []
+    for request in requests:
+      text = request.args[0]
+      target = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+      value, _ = masked_elbo(self.model, [] if bos is None else [bos], target, samples=self.mc_samples,
+                             seed=self._request_seed("", text))
+      self.cache_hook.add_partial("loglikelihood_rolling", request.args, value)
+      out.append(value)
+    return out
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     """One continuation per request; requests with equal settings are batched `batch_size` at a time."""
@@ -138,6 +159,22 @@ class D2FJaxLM(LM):
     if ignored:
       print(f"d2f_jax: ignoring generation kwargs {ignored}", file=sys.stderr)
     return dataclasses.replace(config, **changes), until, limit
+
+  def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation ids; trailing spaces of the context move to the continuation (lm-eval)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+      context, continuation = context[:-spaces], context[-spaces:] + continuation
+    prefix = self._encode(context) if context or self.add_bos else []
+    whole = list(self.tokenizer(context + continuation, add_special_tokens=False)["input_ids"])
+    head = prefix[1:] if self.add_bos and prefix and prefix[0] == self.model.config.bos_token_id else prefix
+    if whole[:len(head)] == head:
+      return prefix, whole[len(head):]
+    return prefix, list(self.tokenizer(continuation, add_special_tokens=False)["input_ids"])
+
+  def _request_seed(self, context: str, continuation: str) -> int:
+    """A seed from the request's text, so its masks do not depend on lm-eval's request order."""
+    return zlib.crc32(f"{self.seed}\x00{context}\x00{continuation}".encode()) ^ self.seed
 
   def _encode(self, context: str) -> list[int]:
     ids = list(self.tokenizer(context, add_special_tokens=False)["input_ids"])
