@@ -151,6 +151,15 @@ def test_generate_until_honours_until_and_max_gen_toks(model):
   assert cut == free[:free.find(f" {words[2]}")] and len(cut) < len(free)
 
 
+def test_mesh_argument_decodes_on_a_mesh_with_the_same_text(model):
+  from d2f_jax.evals.lm_eval_model import D2FJaxLM
+  plain = D2FJaxLM(model=model, block_size=8, prompt_buckets=256, max_gen_toks=8)
+  meshed = D2FJaxLM(model=model, mesh="data=1;tensor=1", block_size=8, prompt_buckets=256, max_gen_toks=8)
+  assert meshed.model.placement is not None and dict(meshed.mesh.shape)["tensor"] == 1
+  request = [_Request("w5 w6", {"until": []})]
+  assert meshed.generate_until(request) == plain.generate_until(request)
+
+
 def test_loglikelihood_is_the_exact_value_for_one_token_and_a_bound_otherwise(model):
   """One masked token: the ELBO is exactly log p(token | context); checked against the model's own logits."""
   import jax
