@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
   h.add_argument("--exec_timeout", type=float, default=10.0, help="seconds per program")
   h.add_argument("--exec_memory_mb", type=int, default=1024)
   h.add_argument("--exec_workers", type=int, default=2, help="programs run at once")
+  h.add_argument("--isolation", default="bubblewrap", choices=("bubblewrap", "process"),
+                 help="bubblewrap namespaces (default; an error where they cannot run) or 'process', the "
+                      "explicit fallback that does not contain hostile code")
   d = p.add_argument_group("decoding (see d2f_jax.decode.DecodeConfig)")
   add_decode_flags(d)
   add_device_flags(p.add_argument_group("devices"))
@@ -54,10 +57,10 @@ def make_task(args):
   if args.task == "gsm8k":
     return by_name("gsm8k", path=args.data, n_shot=args.n_shot, fewshot_path=args.fewshot_data,
                    fewshot_seed=args.fewshot_seed)
-  from d2f_jax.evals.sandbox import Sandbox
+  from d2f_jax.evals.sandbox import BubblewrapUnavailable, Sandbox
   try:
-    sandbox = Sandbox(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
-  except ValueError as e:
+    sandbox = Sandbox(isolation=args.isolation, timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
+  except (ValueError, BubblewrapUnavailable) as e:
     raise SystemExit(f"bad execution option: {e}") from e
   return by_name("humaneval", path=args.data, sandbox=sandbox, workers=args.exec_workers)
 
