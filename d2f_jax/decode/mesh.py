@@ -95,11 +95,20 @@ def place_state(state, placement: DecodeMesh):
   shardings = placement.param_shardings(state)
   values = nnx.to_pure_dict(state)
 
-  def put(x, target):
-    if isinstance(x, jax.Array):
-      return x if x.sharding == target else jax.device_put(x, target)
-    return sharding.host_to_global(x, target)
-  return _with_values(state, jax.tree.map(put, values, shardings))
+  return _with_values(state, jax.tree.map(to_global, values, shardings))
+
+
+def to_global(x, target: NamedSharding) -> jax.Array:
+  """x (host or device array, the same value on every process) as a global array with `target`. A mesh
+  spanning several processes cannot be reached by device_put: each process then fills its own shards."""
+  if isinstance(x, jax.Array) and x.sharding == target:
+    return x
+  if target.is_fully_addressable:
+    return jax.device_put(x, target)
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = to_global(jax.random.key_data(x), target)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return sharding.host_to_global(np.asarray(jax.device_get(x)), target)
 
 
 def pad_rows(prompt: jax.Array, prompt_len: jax.Array, batch: int):
@@ -116,8 +125,8 @@ def place_inputs(placement: DecodeMesh, prompt, prompt_len, key, knobs):
   shardings every call, so a second call with the same shapes reuses the compiled program."""
   prompt, prompt_len = pad_rows(prompt, prompt_len, placement.padded_batch(prompt.shape[0]))
   rep = placement.replicated()
-  return (jax.device_put(prompt, placement.rows(2)), jax.device_put(prompt_len, placement.rows(1)),
-          jax.device_put(key, rep), jax.device_put(knobs, rep))
+  return (to_global(prompt, placement.rows(2)), to_global(prompt_len, placement.rows(1)), to_global(key, rep),
+          jax.tree.map(lambda x: to_global(x, rep), knobs))
 
 
 def constrain_loop_state(state: Any, layout: MeshLayout | None, batch: int) -> Any:
@@ -143,7 +152,3 @@ def replicate(tree: Any, layout: MeshLayout | None) -> Any:
   if layout is None or layout.num_devices == 1:
     return tree
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P())), tree)
-
-
-def host_value(x) -> np.ndarray:
-  return np.asarray(jax.device_get(x))
