@@ -27,10 +27,8 @@ from d2f_jax.train import metrics as metrics_lib
 from d2f_jax.train import objectives, sharding
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
 from d2f_jax.train.model import DistillModels, export_student, load_base, model_config
-from d2f_jax.train.optim import OptimSpec
-from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.state import abstract_state, create_state
-from d2f_jax.train.step import StepSpec, compiled_eval, compiled_train_step, summarize
+from d2f_jax.train.step import compiled_eval, compiled_train_step, spec_from_config, summarize
 from d2f_jax.train.synthetic import ensure_synthetic
 
 log = logging.getLogger(__name__)
@@ -104,11 +102,7 @@ class Trainer:
                                        teacher=obj.teacher)
     self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
     self.frozen = self._load_base() if self.models.keeps_base else {}
-    self.spec = StepSpec(models=self.models, schedule=Schedule(**c.schedule.to_dict()),
-                         optim=OptimSpec.from_config(c.optim), block_size=c.block_size,
-                         micro_batches=c.micro_batches, loss_chunk=c.loss_chunk,
-                         batch_sharding=sharding.batch_sharding(self.mesh, self.rules), objective=c.objective,
-                         mdm_eps=float(c.mdm.eps))
+    self.spec = spec_from_config(c, self.models, self.mesh, self.rules)
 
   def _load_base(self) -> dict:
     """Base weights in their shardings: from model_path, or random (seeded) without one."""
