@@ -84,6 +84,16 @@ _CHILD = textwrap.dedent("""
     case("dream", "d2t4", impl="interpret_gpu")
     case("llada", "t4", impl="interpret_gpu")
 
+    # The interpreted kernels really run per shard (XLA cannot partition a Pallas call): the lowered loop
+    # holds a manual (shard_map) region.
+    def has_shard_map(model):
+      prep = runner._prepare(model, PROMPTS, BASE, None, None, None, None)
+      text = runner._run_loop.lower(model.graphdef, prep.params, prep.prompt, prep.prompt_len, prep.key,
+                                    prep.knobs, spec=prep.spec, layout=prep.layout).as_text()
+      return "sdy.manual_computation" in text or "SPMDFullToShardShape" in text
+    out["kernel_shard_map"] = has_shard_map(with_attention(MODELS["dream"], "interpret_gpu").shard(mesh("d2t4")))
+    out["xla_shard_map"] = has_shard_map(MODELS["dream"].shard(mesh("d2t4")))  # XLA partitions the reference
+
     # The reference is not trivially equal: a different model gives different tokens.
     other = host(generate(DecodeModel.from_module(random_model(TINY_LLADA, seed=1)), PROMPTS, BASE))
     out["other_model_diff"] = diff(refs[("llada", "d2f", ())], other)
@@ -156,6 +166,10 @@ def test_sharded_decode_equals_one_device(runs, name):
 
 def test_reference_is_not_trivially_equal(runs):
   assert "tokens" in runs["other_model_diff"]
+
+
+def test_kernels_run_inside_shard_map(runs):
+  assert runs["kernel_shard_map"] and not runs["xla_shard_map"]
 
 
 def test_no_recompiles_and_stepwise_agrees(runs):
