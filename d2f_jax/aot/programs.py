@@ -1,0 +1,117 @@
+"""The programs the compile tier builds over abstract inputs: the train step of a config, and the whole jitted
+decode loop (D2F, AR) of the config's model.
+
+Every input is a `jax.ShapeDtypeStruct` carrying its `NamedSharding` on the target's devices, so nothing
+is allocated (an 8B model is compiled on a laptop) and the program is the one the product runs: the train
+step comes from the same `spec_from_config` + `compiled_train_step` the Trainer uses; the decode loop from
+`decode.runner.decode_program`, the function `generate` jits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+PROGRAMS = ("train", "d2f_decode", "ar_decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A jitted function, its abstract arguments, and what it is (for the report)."""
+
+  name: str
+  fn: Any
+  args: tuple
+  mesh: dict
+  shape: dict  # batch / sequence sizes of the program, for the report
+
+  def lower(self):
+    return self.fn.lower(*self.args)
+
+
+def model_config_of(config, attention: str | None):
+  """The base ModelConfig exactly as the Trainer builds it (preset / overrides / config.json, dtype, remat),
+  with `attention` (or config.model.attention_impl, where the config has it) as its attention_impl."""
+  from d2f_jax.train.model import model_config
+  mc = model_config(config.model, remat=bool(config.get("remat", False)))
+  impl = attention or config.model.get("attention_impl")
+  return mc.replace(attention_impl=impl) if impl else mc
+
+
+def rules_of(config) -> tuple:
+  """The config's logical-axis rules as the hashable tuple the Trainer passes to compiled_train_step."""
+  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
+               for name, axes in config.logical_axis_rules)
+
+
+def train_program(config, devices: list, *, attention: str | None = None) -> Program:
+  """The config's train step (its objective, LoRA or full, micro batches) on its mesh over `devices`."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from d2f_jax.train import objectives, sharding
+  from d2f_jax.train.model import DistillModels
+  from d2f_jax.train.state import abstract_state
+  from d2f_jax.train.step import compiled_train_step, spec_from_config
+  from d2f_jax.train.trainer import lora_config
+
+  mc = model_config_of(config, attention)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  rules = rules_of(config)
+  models = DistillModels.create(mc, lora_config(config), config.train_dtype,
+                                teacher=objectives.get(config.objective).teacher)
+  spec = spec_from_config(config, models, mesh, rules)
+  shards = math.prod(mesh.shape[a] for a in _axes(spec.batch_sharding.spec[0]))
+  if config.batch_size % (shards * config.micro_batches):
+    raise ValueError(f"config.batch_size={config.batch_size} must be a multiple of the {shards} batch shards x "
+                     f"{config.micro_batches} micro batches")
+  state = abstract_state(models, spec.optim, mesh, rules)
+  frozen = {}
+  if models.keeps_base:
+    base = models.abstract_frozen()
+    pure = nnx.to_pure_dict(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), base,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    frozen = sharding.abstract_with(pure, sharding.state_shardings(base, mesh, rules))
+  rows, length = config.batch_size, config.data.seq_len
+  batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=spec.batch_sharding),
+           "prompt_len": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding.batch_sharding(mesh, rules, 1))}
+  shape = {"objective": config.objective, "finetune": config.finetune, "batch": rows, "seq_len": length,
+           "micro_batches": config.micro_batches, "remat": bool(mc.remat)}
+  return Program("train", compiled_train_step(spec, mesh, rules), (state, frozen, batch), dict(mesh.shape), shape)
+
+
+def _axes(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+
+
+def decode_mesh_shape(mc, devices: int) -> dict:
+  """data x tensor for decoding `mc` on `devices` devices: heads over the largest power of two that divides
+  the query heads (weights and the KV cache split by heads), the rest over rows."""
+  tensor = 1
+  while tensor * 2 <= devices and devices % (tensor * 2) == 0 and mc.num_heads % (tensor * 2) == 0:
+    tensor *= 2
+  return {"data": devices // tensor, "fsdp": 1, "tensor": tensor}
+
+
+def decode_program(config, devices: list, *, method: str, batch: int, prompt_len: int, new_tokens: int,
+                   block_size: int, attention: str | None = None, mesh_shape: dict | None = None,
+                   rules=None) -> Program:
+  """The whole jitted decode loop of the config's model (`method` 'd2f' or 'ar'), over `devices`."""
+  from d2f_jax.decode.config import DecodeConfig
+  from d2f_jax.decode.runner import decode_program as build
+  from d2f_jax.train import sharding
+
+  mc = model_config_of(config, attention)
+  sizes = mesh_shape or decode_mesh_shape(mc, len(devices))
+  mesh = sharding.make_mesh(sizes, devices)
+  decode = DecodeConfig(method=method, block_size=block_size, max_new_tokens=new_tokens,
+                        prompt_buckets=prompt_len)
+  built = build(mc, decode, batch=batch, prompt_width=prompt_len, mesh=mesh,
+                rules=rules if rules is not None else config.get("logical_axis_rules"))
+  shape = {"batch": batch, "rows_compiled": built.batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "block_size": block_size}
+  return Program(f"{method}_decode", built.fn, built.args, dict(mesh.shape), shape)
