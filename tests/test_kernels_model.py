@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from d2f_jax.models import PAD_ID, TINY_DREAM, KVCache, ModelConfig, forward, logits_for_mode
+from d2f_jax.models.config import PRESETS
 from model_utils import random_model, random_tokens
 
 KERNEL_IMPLS = ["interpret_gpu", "interpret_tpu"]
@@ -69,4 +70,6 @@ def test_auto_is_the_reference_on_cpu_and_impl_is_validated():
   np.testing.assert_array_equal(_block_causal_logits("auto", tokens, mask), _block_causal_logits("xla", tokens, mask))
   with pytest.raises(ValueError, match="attention_impl must be one of"):
     TINY_DREAM.replace(attention_impl="triton")
-  assert ModelConfig.__dataclass_fields__["attention_impl"].default == "xla"
+  # "auto" is the default everywhere: kernels on an accelerator, exactly the reference here.
+  assert ModelConfig.__dataclass_fields__["attention_impl"].default == "auto"
+  assert {c.attention_impl for c in PRESETS.values()} == {"auto"}

@@ -1,9 +1,14 @@
 """The model-facing entry points: one string, `ModelConfig.attention_impl`, picks the implementation.
 
-"xla" is exactly the model's original math (`attention_reference` on the concatenated keys). "auto" uses
-the Pallas kernels on GPU/TPU and the reference on CPU; "pallas" insists on the kernels. "interpret_gpu"
-and "interpret_tpu" run the kernels in that backend's CPU interpreter: slow, for tests. Being part of the
-static config, the choice is part of every jit cache key, so switching it never reuses a stale trace.
+"xla" is exactly the model's original math (`attention_reference` on the concatenated keys). "auto" (the
+default) uses the Pallas kernels on GPU/TPU and is exactly "xla" on CPU; "pallas" insists on the kernels.
+"interpret_gpu" and "interpret_tpu" run the kernels in that backend's CPU interpreter: slow, for tests.
+Being part of the static config, the choice is part of every jit cache key, so switching it never reuses
+a stale trace. "auto" resolves when traced: for the platform of the active `MeshLayout`'s devices (a
+compile-only TPU mesh on a CPU host gets Mosaic), else for the default backend.
+
+Under a layout with more than one device every kernel call runs inside `jax.shard_map` (kernels/sharded.py):
+XLA cannot partition a Pallas call. The reference needs none: XLA partitions it like any other einsum.
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.kernels.common import PAD_ID
+from d2f_jax.kernels.common import PAD_ID, resolve_backend
 from d2f_jax.kernels.flash_attention import flash_attention
+from d2f_jax.kernels.sharded import KV, QUERY, ROWS, sharded_kernel_call
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
 from d2f_jax.models.attention import attention_reference
 from d2f_jax.models.config import ATTENTION_IMPLS
+from d2f_jax.models.sharding_hints import MeshLayout, current_layout
 
 
 def _kernel_options(impl: str) -> tuple[str, str | bool]:
@@ -25,6 +32,20 @@ def _kernel_options(impl: str) -> tuple[str, str | bool]:
   if impl.startswith("interpret_"):
     return "pallas", impl.removeprefix("interpret_")
   return impl, False
+
+
+def layout_platform(layout: MeshLayout | None) -> str | None:
+  """The platform of a concrete layout mesh's devices (None without a layout or for an AbstractMesh)."""
+  if layout is None or not isinstance(layout.mesh, jax.sharding.Mesh):
+    return None
+  return layout.mesh.devices.flat[0].platform
+
+
+def resolve(impl: str, layout: MeshLayout | None = None) -> tuple[str, str | bool, str | None]:
+  """attention_impl -> (backend "xla" | "gpu" | "tpu", interpret, platform) for this trace."""
+  kernel_impl, interpret = _kernel_options(impl)
+  platform = layout_platform(layout)
+  return resolve_backend(kernel_impl, interpret, platform), interpret, platform
 
 
 def visible_length(cache_ids: jax.Array) -> jax.Array:
@@ -37,32 +58,41 @@ def visible_length(cache_ids: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(cache_ids != PAD_ID, slots, 0), axis=1)
 
 
-def attend(q, k, v, q_ids, k_ids, *, impl: str = "xla"):
+def attend(q, k, v, q_ids, k_ids, *, impl: str = "auto"):
   """Full-sequence attention (training, no-cache inference). q: [B, T, H, D]; k, v: [B, S, K, D]."""
-  if impl == "xla":
+  layout = current_layout()
+  backend, interpret, platform = resolve(impl, layout)
+  if backend == "xla":
     return attention_reference(q, k, v, q_ids, k_ids)
-  kernel_impl, interpret = _kernel_options(impl)
-  return flash_attention(q, k, v, q_ids, k_ids, impl=kernel_impl, interpret=interpret)
+  kernel = lambda q, k, v, q_ids, k_ids: flash_attention(q, k, v, q_ids, k_ids, impl="pallas",
+                                                          interpret=interpret, platform=platform)
+  return sharded_kernel_call(kernel, layout, (q, k, v, q_ids, k_ids), (QUERY, KV, KV, ROWS, ROWS))
 
 
 def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len=None, *,
-                  impl: str = "xla"):
+                  impl: str = "auto"):
   """A decoding window against the KV cache plus itself. q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D];
   cache_k, cache_v: [B, S, K, D]; cache_ids: [B, S]; cache_len: [B] (None: derived from cache_ids).
 
   "xla" concatenates and runs the reference, exactly as the model always did. The kernels never read
   slots at or past cache_len; outputs of padding queries (id PAD_ID) are unspecified there.
   """
-  if impl == "xla":
+  layout = current_layout()
+  backend, interpret, platform = resolve(impl, layout)
+  if backend == "xla":
     if cache_len is None:
       keys = jnp.concatenate([cache_k, k_win], axis=1)  # [B, S + Tw, K, D]
       values = jnp.concatenate([cache_v, v_win], axis=1)
       return attention_reference(q, keys, values, q_ids, jnp.concatenate([cache_ids, win_ids], axis=1))
     return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
-  kernel_impl, interpret = _kernel_options(impl)
   if cache_len is None:
     cache_len = visible_length(cache_ids)
   if cache_k.dtype != q.dtype:  # a cache kept in another dtype (a copy; keep it in the compute dtype)
     cache_k, cache_v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
-  return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,
-                          impl=kernel_impl, interpret=interpret)
+
+  def kernel(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len):
+    return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,
+                            impl="pallas", interpret=interpret, platform=platform)
+
+  return sharded_kernel_call(kernel, layout, (q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len),
+                             (QUERY, KV, KV, ROWS, ROWS, KV, KV, ROWS, ROWS))

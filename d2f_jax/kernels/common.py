@@ -28,11 +28,13 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def resolve_backend(impl: str, interpret) -> str:
+def resolve_backend(impl: str, interpret, platform: str | None = None) -> str:
   """Which code runs: "xla" (the jnp reference), "gpu" (Triton) or "tpu" (Mosaic).
 
   impl "auto" picks Pallas on GPU/TPU and the reference on CPU; "pallas" insists on a kernel; `interpret`
   ("gpu" | "tpu") runs that backend's kernel in its CPU interpreter, so it implies a kernel unless impl="xla".
+  platform: the device platform the call is compiled for ("cpu", "gpu", "cuda", "rocm", "tpu"); default
+  the default backend's (a compile-only TPU mesh on a CPU host passes "tpu").
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -44,7 +46,7 @@ def resolve_backend(impl: str, interpret) -> str:
     return "xla"
   if interpret:
     return interpret
-  platform = _platform()
+  platform = _platform() if platform is None else platform
   if platform in ("gpu", "cuda", "rocm"):
     return "gpu"
   if platform == "tpu":

@@ -111,18 +111,19 @@ def _plan(q, k, backend, interpret, scale, block_sizes) -> _Plan:
       q_len=seq_q, kv_len=seq_k, precision=matmul_precision(q.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "interpret", "block_sizes", "platform"))
 def flash_attention(q, k, v, q_ids, k_ids, *, scale: float | None = None, impl: str = "auto", interpret=False,
-                    block_sizes: BlockSizes | None = None):
+                    block_sizes: BlockSizes | None = None, platform: str | None = None):
   """Softmax attention under the id rule, grouped-query, differentiable in q, k, v.
 
   q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K (query head h uses kv head h // (H // K));
   q_ids: [B, T], k_ids: [B, S] int32. scale defaults to D ** -0.5.
-  impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu".
+  impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu";
+  platform: the device platform to dispatch for (default: the default backend's).
   Returns [B, T, H, D] in q's dtype. Lengths need not be multiples of the tiles (padded here).
   """
   _check_args(q, k, v, q_ids, k_ids)
-  backend = resolve_backend(impl, interpret)
+  backend = resolve_backend(impl, interpret, platform)
   if backend == "xla":
     return attention_reference(q, k, v, q_ids, k_ids, scale=scale)
   plan = _plan(q, k, backend, interpret, scale, block_sizes)

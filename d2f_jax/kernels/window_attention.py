@@ -57,21 +57,22 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
     check_float(name, x, q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "interpret", "block_sizes", "platform"))
 def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, *,
                      scale: float | None = None, impl: str = "auto", interpret=False,
-                     block_sizes: BlockSizes | None = None):
+                     block_sizes: BlockSizes | None = None, platform: str | None = None):
   """Attention of a decoding window to the KV cache and to itself.
 
   q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D] the window's keys; q_ids, win_ids: [B, Tw] int32 (usually
   the same array); cache_k, cache_v: [B, S, K, D]; cache_ids: [B, S] int32; cache_len: [B] int32.
-  impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu".
+  impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu";
+  platform: the device platform to dispatch for (default: the default backend's).
   Returns [B, Tw, H, D] in q's dtype.
 
   For speed choose S a multiple of block_k (the cache is otherwise padded, i.e. copied, on every call).
   """
   _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
-  backend = resolve_backend(impl, interpret)
+  backend = resolve_backend(impl, interpret, platform)
   if backend == "xla":
     return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids,
                                       cache_len, scale=scale)

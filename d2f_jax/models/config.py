@@ -43,7 +43,7 @@ class ModelConfig:
   family: Family = "custom"
   dtype: str = "float32"  # activation / compute dtype
   param_dtype: str = "float32"  # storage dtype of the weights
-  attention_impl: str = "xla"  # one of ATTENTION_IMPLS
+  attention_impl: str = "auto"  # one of ATTENTION_IMPLS; "auto": Pallas on GPU/TPU, the reference on CPU
   remat: bool = False  # rematerialise layer activations in the backward pass (long rows, big models)
 
   def __post_init__(self):

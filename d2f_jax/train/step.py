@@ -8,6 +8,7 @@ fsdp split of it), whatever `micro_batches` is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from d2f_jax.models.sharding_hints import batch_sharded_activations
+from d2f_jax.models.sharding_hints import MeshLayout, batch_sharded_activations, layout_from_rules, mesh_layout
 from d2f_jax.train import objectives, sharding
 from d2f_jax.train.model import DistillModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
@@ -37,10 +38,27 @@ class StepSpec:
   batch_sharding: NamedSharding | None = None  # rows of each microbatch inside the step
   objective: str = "distill"  # a key of objectives.OBJECTIVES
   mdm_eps: float = 1e-3  # mdm: the mask ratio t ~ U(mdm_eps, 1)
+  # How the model's activations and kernel calls split on the mesh; None: batch_sharding's rows, heads
+  # replicated (compiled_train_step fills it from the mesh and rules).
+  layout: MeshLayout | None = None
 
   def __post_init__(self):
     if objectives.get(self.objective).teacher and not self.models.teacher:
       raise ValueError(f"objective {self.objective!r} needs a teacher: DistillModels.create(..., teacher=True)")
+
+  @contextlib.contextmanager
+  def traced_layout(self):
+    """The context the model is traced in: `layout`, or batch_sharding's rows without one."""
+    if self.layout is not None:
+      with mesh_layout(self.layout):
+        yield
+    else:
+      with batch_sharded_activations(self.batch_sharding):
+        yield
+
+  def with_layout(self, mesh: Mesh, rules: sharding.Rules) -> "StepSpec":
+    """This spec with the layout the rules give activations on `mesh` (unchanged when it has one)."""
+    return self if self.layout is not None else dataclasses.replace(self, layout=layout_from_rules(mesh, rules))
 
   @property
   def obj(self) -> objectives.Objective:
@@ -81,7 +99,7 @@ def loss_and_grads(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, k
   inputs = obj.prepare(spec, noise_key, batch)
 
   def sums_fn(params, inputs, index):
-    with batch_sharded_activations(spec.batch_sharding):
+    with spec.traced_layout():
       sums = obj.sums(spec, params, frozen, inputs, _dropout_key(spec, dropout_key, index))
     return sums["ce"], sums
 
@@ -119,18 +137,23 @@ def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> 
 
 def eval_sums(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, key: jax.Array) -> dict:
   """Loss sums without dropout on a batch prepared with `key` (fixed per eval batch)."""
-  with batch_sharded_activations(spec.batch_sharding):
+  with spec.traced_layout():
     return spec.obj.sums(spec, trainable, frozen, spec.obj.prepare(spec, key, batch), None)
 
 
 @functools.lru_cache(maxsize=16)
 def compiled_train_step(spec: StepSpec, mesh: Mesh, rules: sharding.Rules):
-  """jit(train_step) with the state donated and laid out on `mesh`; cached per (spec, mesh, rules)."""
+  """jit(train_step) with the state donated and laid out on `mesh`, the model traced in the rules' layout
+  (so kernel calls run in shard_map); cached per (spec, mesh, rules)."""
+  spec = spec.with_layout(mesh, rules)
   shardings = state_shardings(spec.models, spec.optim, mesh, rules)
   return jax.jit(functools.partial(train_step, spec), donate_argnums=0,
                  out_shardings=(shardings, sharding.replicated(mesh)))
 
 
 @functools.lru_cache(maxsize=16)
-def compiled_eval(spec: StepSpec, mesh: Mesh):
+def compiled_eval(spec: StepSpec, mesh: Mesh, rules: sharding.Rules | None = None):
+  """jit(eval_sums); with `rules`, traced in their layout (as the train step is)."""
+  if rules is not None:
+    spec = spec.with_layout(mesh, rules)
   return jax.jit(functools.partial(eval_sums, spec), out_shardings=sharding.replicated(mesh))
