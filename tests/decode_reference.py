@@ -52,7 +52,8 @@ def _finish(response: np.ndarray, trace: np.ndarray, stops, pad_id: int, forward
 
 def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_add, tau_act, tau_conf,
         stop_tokens) -> dict:
-  """D2F pipelined decoding (spec section 4) with full block-causal recompute every step."""
+  """D2F pipelined decoding (spec section 4) with full block-causal recompute every step.
+  max_blocks_in_flight: None = no cap (the authors' loop)."""
   cfg = model.config
   mask_id, bs = cfg.mask_token_id, block_size
   p = len(prompt)
@@ -62,7 +63,7 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
   states: list[str] = []  # per appended block: 'active' | 'to_cache' | 'cached'
   eos = False
   forwards = 0
-  max_in_flight = semi_steps = max_accepted = 0
+  max_in_flight = semi_steps = max_accepted = in_flight_sum = window_sum = 0
 
   def block(j):
     return slice(p + j * bs, p + (j + 1) * bs)
@@ -74,12 +75,14 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
     # 1. append a block
     last_ratio = 1.0 if not states else decoded(len(states) - 1) / bs
     active = sum(s == "active" for s in states)
-    if len(states) < num_blocks and not eos and last_ratio >= tau_add and active < max_blocks_in_flight:
+    room = max_blocks_in_flight is None or active < max_blocks_in_flight
+    if len(states) < num_blocks and not eos and last_ratio >= tau_add and room:
       states.append("active")
     # 6. stop when no masks remain
     if not any(decoded(j) < bs for j in range(len(states))):
       break
     # 5. blocks finished last step get their final K/V in this forward
+    window = sum(s in ("to_cache", "active") for s in states)  # blocks this forward computes
     states = ["cached" if s == "to_cache" else s for s in states]
     # activation from the decoded ratio of the previous block (the prompt counts as complete)
     fully = [j == 0 or decoded(j - 1) / bs >= tau_act for j in range(len(states))]
@@ -89,6 +92,8 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
     step = forwards - 1
     in_flight = [j for j, s in enumerate(states) if s == "active"]
     max_in_flight = max(max_in_flight, len(in_flight))
+    in_flight_sum += len(in_flight)
+    window_sum += window
     semi_steps += any(not fully[j] and decoded(j) < bs for j in in_flight)
     # 3. accept per block in flight
     accepted = []
@@ -113,7 +118,8 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
       if s == "active" and decoded(j) == bs and all(t != "active" for t in states[:j]):
         states[j] = "to_cache"
   return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, forwards, max_in_flight=max_in_flight,
-                 semi_steps=semi_steps, max_accepted=max_accepted)
+                 semi_steps=semi_steps, max_accepted=max_accepted, in_flight_sum=in_flight_sum,
+                 window_sum=window_sum)
 
 
 def llada_vanilla(model, prompt, *, block_size, max_new_tokens, steps, stop_tokens) -> dict:

@@ -7,7 +7,9 @@ traced `Knobs`, so sweeping them (or changing prompts within a length bucket) re
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Literal
 
 import flax.struct
@@ -21,6 +23,9 @@ METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "ar"
 DreamAlg = Literal["confidence", "entropy", "margin"]
 DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
 MAX_STOP_TOKENS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
+DIFFUSION_METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla")
+# config.json key naming how a model was trained to attend: 'causal', 'bidirectional' or 'block_causal'.
+ATTENTION_KEY = "d2f_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +37,15 @@ class DecodeConfig:
     semi-autoregressive low-confidence remasking (no cache, `steps` spread evenly over the blocks);
     'dream_vanilla' = Dream's whole-response ordering by `alg` in `steps` steps; 'ar' = KV-cached
     next-token decoding that treats the model as a causal LM (causal attention, row i predicts token i+1).
-  max_blocks_in_flight: blocks still decoding at once (d2f); the forward window holds one more block, the
-    finished one whose K/V are being written. A fixed bound keeps the window shape static.
+  max_blocks_in_flight: a cap on the blocks decoding at once (d2f), or None for no cap, as in the authors'
+    loop (the default: a cap changes which tokens come out, so it is a speed option, not a default).
+    The window of a forward holds the blocks in flight plus the finished ones whose K/V it writes, at most
+    min(cap + 1, max_new_tokens / block_size) blocks.
+  window_widths: compiled window widths in blocks; each step runs the smallest one that holds every block
+    in flight of every row (one `lax.switch` inside the jitted loop: static shapes, no recompiles, the same
+    tokens). None: 1, 2, 3, 5, 9, ... (one block, and 1, 2, 4, 8 ... in flight plus the one awaiting its
+    cache write) up to the largest window; () the largest window only (a fixed window). The largest window
+    is always compiled.
   stop_tokens: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
   prompt_buckets: prompt lengths are padded up to a multiple of this int, or to the smallest length in
     this tuple that fits, so prompts within a bucket share one compiled program.
@@ -42,7 +54,8 @@ class DecodeConfig:
   method: Method = "d2f"
   block_size: int = 32
   max_new_tokens: int = 256
-  max_blocks_in_flight: int = 4
+  max_blocks_in_flight: int | None = None
+  window_widths: tuple[int, ...] | None = None
   tau_add: float = 0.1
   tau_act: float = 0.95
   tau_conf: float = 0.9
@@ -58,8 +71,16 @@ class DecodeConfig:
       raise ValueError(f"DecodeConfig.method must be one of {METHODS}, got {self.method!r}")
     for name in ("block_size", "max_new_tokens", "max_blocks_in_flight"):
       value = getattr(self, name)
+      if name == "max_blocks_in_flight" and value is None:
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"DecodeConfig.{name} must be a positive int, got {value!r}")
+        raise ValueError(f"DecodeConfig.{name} must be a positive int{' or None' if name[0] == 'm' else ''}, "
+                         f"got {value!r}")
+    if self.window_widths is not None:
+      if (not isinstance(self.window_widths, tuple)
+          or any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.window_widths)):
+        raise ValueError(f"DecodeConfig.window_widths must be None or a tuple of positive ints (blocks), "
+                         f"got {self.window_widths!r}")
     if self.method != "ar" and self.max_new_tokens % self.block_size:
       raise ValueError(f"DecodeConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of "
                        f"block_size ({self.block_size})")
@@ -118,7 +139,8 @@ class DecodeSpec:
   model: ModelConfig
   block_size: int
   max_new_tokens: int
-  max_blocks_in_flight: int
+  max_blocks_in_flight: int  # resolved: no cap = the number of blocks
+  window_widths: tuple[int, ...]  # sorted compiled window widths in blocks; the last is window_blocks
   sample: bool  # temperature > 0: sample with top-p instead of argmax
   steps: int
   alg: str
@@ -129,8 +151,9 @@ class DecodeSpec:
 
   @property
   def window_blocks(self) -> int:
-    """Blocks in a d2f forward: those in flight plus the finished one awaiting its cache write."""
-    return self.max_blocks_in_flight + 1
+    """Blocks in the widest d2f forward: those in flight plus the finished one awaiting its cache write,
+    never more than the response has."""
+    return min(self.max_blocks_in_flight + 1, self.num_blocks)
 
   @property
   def window(self) -> int:
@@ -161,6 +184,14 @@ def stop_ids_for(config: DecodeConfig, model: ModelConfig) -> tuple[int, ...]:
   return tuple(dict.fromkeys(ids))
 
 
+def window_widths_for(widths: tuple[int, ...] | None, window_blocks: int) -> tuple[int, ...]:
+  """The sorted compiled widths (blocks) for a largest window of `window_blocks`: `widths` (default 1 and
+  1 + 2^k) cut to the largest window, which is always included."""
+  if widths is None:
+    widths = (1,) + tuple(1 + 2 ** k for k in range(max(window_blocks, 1).bit_length()))
+  return tuple(sorted({w for w in widths if w < window_blocks} | {window_blocks}))
+
+
 def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs]:
   """Split a validated user config into the static spec and the traced knobs for `model`."""
   run = config.effective()
@@ -169,13 +200,52 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   if bad:
     raise ValueError(f"stop tokens {bad} are outside the vocabulary of size {model.vocab_size}")
   steps = run.steps if run.steps is not None else run.max_new_tokens  # default: one token per step
+  num_blocks = run.max_new_tokens // run.block_size
+  cap = num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
+  window_blocks = min(cap + 1, num_blocks)
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
-                    block_size=run.block_size, max_new_tokens=run.max_new_tokens,
-                    max_blocks_in_flight=run.max_blocks_in_flight, sample=run.temperature > 0.0,
-                    steps=steps, alg=run.alg)
+                    block_size=run.block_size, max_new_tokens=run.max_new_tokens, max_blocks_in_flight=cap,
+                    window_widths=window_widths_for(run.window_widths, window_blocks),
+                    sample=run.temperature > 0.0, steps=steps, alg=run.alg)
   stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
                 tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(max(run.temperature, 1e-6)),
                 top_p=jnp.float32(run.top_p), stop_ids=jnp.asarray(stop_array, jnp.int32))
   return spec, knobs
+
+
+def model_attention(model) -> str | None:
+  """How a loaded model attends, from its directory's config.json: the ATTENTION_KEY written by the
+  trainer glue, else 'bidirectional' for the LLaDA / Dream families (the released models are); None when
+  unknown (a model built in memory)."""
+  source = getattr(model, "source", "") or ""
+  path = os.path.join(source, "config.json")
+  if not source or not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    hf = json.load(f)
+  if hf.get(ATTENTION_KEY) is not None:
+    return str(hf[ATTENTION_KEY])
+  return "bidirectional" if str(hf.get("model_type", "")).lower() in ("llada", "dream") else None
+
+
+def check_method_fits(model: ModelConfig, config: DecodeConfig, attention: str | None = None) -> None:
+  """Refuse a decoding method that cannot work with the model, instead of decoding garbage.
+
+  The diffusion methods need a model trained to fill in mask tokens (bidirectional or block-causal) with a
+  mask id in its vocabulary; 'ar' needs a causal model. attention: 'causal', 'bidirectional',
+  'block_causal' or None (unknown: only the mask id is checked), e.g. from `model_attention`.
+  """
+  if config.method in DIFFUSION_METHODS:
+    if not 0 <= model.mask_token_id < model.vocab_size:
+      raise ValueError(f"DecodeConfig.method={config.method!r} needs a mask token, but the model's mask_token_id "
+                       f"{model.mask_token_id} is outside its vocabulary of {model.vocab_size}")
+    if attention == "causal":
+      raise ValueError(f"DecodeConfig.method={config.method!r} needs a masked-diffusion (bidirectional) model, "
+                       f"but this model was trained causally (config.json {ATTENTION_KEY}='causal'); "
+                       "decode it with method='ar'")
+  elif config.method == "ar" and attention is not None and attention != "causal":
+    raise ValueError(f"DecodeConfig.method='ar' needs a causal model, but this model attends {attention.replace('_', '-')} "
+                     f"(config.json {ATTENTION_KEY}={attention!r}, or a LLaDA / Dream model); "
+                     "use a diffusion method (d2f, threshold, vanilla, dream_vanilla)")

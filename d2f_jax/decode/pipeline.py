@@ -1,9 +1,14 @@
 """D2F pipelined block decoding (spec section 4) as init / step / finish over a fixed-shape loop state.
 
 Layout per row: the token buffer is [left-padded prompt (P) | response (N) | spare tail (W)], so response
-block j always starts at column P + j * B and the window of W = (max_blocks_in_flight + 1) * B columns
-starting at the first block not yet in the cache is a plain gather that never runs off the end.
+block j always starts at column P + j * B and the widest window, W = min(cap + 1, N / B) * B columns
+starting at the first block not yet in the cache, is a plain gather that never runs off the end.
 The KV cache mirrors buffer columns slot for slot; `cache.length` = P + cached * B.
+
+The forward itself runs on the first w * B of those columns, w the narrowest of the compiled widths
+(`spec.window_widths`) that holds every row's uncached blocks: a forward costs what is in flight, not
+what could be. Columns past w are blocks not yet appended, which no earlier block attends to, so the
+tokens are those of the widest window.
 
 Blocks from the cache onward are, in order: `pending` finished blocks whose K/V the next forward writes
 (finished-awaiting-cache), then `added - cached - pending` blocks in flight (semi- or fully activated,
@@ -42,12 +47,14 @@ class D2FState:
   done: jax.Array  # [B] bool no masks left: the row is frozen
   forwards: jax.Array  # [B] int32 forwards (= steps) the row took
   trace: jax.Array  # [B, N + W] int32 step at which each response position was accepted, -1
-  blocks: jax.Array  # [B, max_blocks_in_flight + 1] int32 state of each window slot (EMPTY ...)
+  blocks: jax.Array  # [B, window_blocks] int32 state of each slot of the widest window (EMPTY ...)
   key: jax.Array  # PRNG key, split once per step
   t: jax.Array  # () int32 loop iterations (safety bound)
   max_in_flight: jax.Array  # [B] int32
   semi_steps: jax.Array  # [B] int32
   max_accepted: jax.Array  # [B] int32
+  in_flight_sum: jax.Array  # [B] int32 blocks in flight summed over the row's forwards
+  window_sum: jax.Array  # [B] int32 window width (blocks) summed over the row's forwards
 
 
 def _prompt_width(state: D2FState, spec: DecodeSpec) -> int:
@@ -55,13 +62,14 @@ def _prompt_width(state: D2FState, spec: DecodeSpec) -> int:
 
 
 def _window_columns(start_block: jax.Array, prompt_width: int, spec: DecodeSpec) -> jax.Array:
-  """Buffer columns [B, W] of the window that starts at response block `start_block` [B]."""
+  """Buffer columns [B, W] of the widest window, starting at response block `start_block` [B]."""
   start = prompt_width + start_block * spec.block_size  # [B]
   return start[:, None] + jnp.arange(spec.window, dtype=jnp.int32)[None, :]
 
 
 def _window_inputs(state: D2FState, spec: DecodeSpec):
-  """Tokens, positions and attention ids [B, W] of the window, plus its columns."""
+  """Tokens, positions and attention ids [B, W] of the widest window, plus its columns; a narrower
+  window is their first columns."""
   width = _prompt_width(state, spec)
   cols = _window_columns(state.cached, width, spec)
   tokens = jnp.take_along_axis(state.tokens, cols, axis=1)
@@ -71,9 +79,24 @@ def _window_inputs(state: D2FState, spec: DecodeSpec):
   return tokens, positions, ids.astype(jnp.int32), cols
 
 
+def _pad_columns(x: jax.Array, width: int, value) -> jax.Array:
+  """x [B, w, ...] -> [B, width, ...], filled with `value` (columns of blocks not in this window)."""
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, width - x.shape[1])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _choose(logits, key, knobs: Knobs, spec: DecodeSpec):
+  """Chosen ids and confidences [B, W] for aligned logits [B, w, V], padded to the widest window."""
+  choice, confidence, _ = choose_tokens(logits, key, knobs, spec.sample)
+  return (_pad_columns(choice, spec.window, spec.model.mask_token_id),
+          _pad_columns(confidence, spec.window, -jnp.inf))
+
+
 def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs: Knobs,
          spec: DecodeSpec) -> D2FState:
   """Append block 0 and run the first step: one forward over prompt + window that also prefills the cache.
+  Only block 0 exists, so the window is the narrowest compiled one.
 
   prompt: [B, P] left-padded ids; prompt_len: [B] real lengths (>= 1).
   """
@@ -88,44 +111,76 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
       added=jnp.ones((batch,), jnp.int32), eos=jnp.zeros((batch,), bool), done=jnp.zeros((batch,), bool),
       forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32), key=key,
       blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
-      semi_steps=zeros, max_accepted=zeros)
+      semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros)
 
   win_tokens, win_positions, win_ids, win_cols = _window_inputs(state, spec)
+  w = spec.window_widths[0] * spec.block_size
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, P]
   is_prompt = cols >= (width - state.prompt_len)[:, None]  # [B, P] False on left padding
-  tokens = jnp.concatenate([state.tokens[:, :width], win_tokens], axis=1)  # [B, P + W]
-  positions = jnp.concatenate([jnp.maximum(cols - (width - state.prompt_len)[:, None], 0), win_positions], axis=1)
-  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids], axis=1).astype(jnp.int32)
-  hidden, (k, v) = model.hidden_states(tokens, positions, ids, state.cache)  # hidden [B, P + W, E]
+  tokens = jnp.concatenate([state.tokens[:, :width], win_tokens[:, :w]], axis=1)  # [B, P + w]
+  positions = jnp.concatenate([jnp.maximum(cols - (width - state.prompt_len)[:, None], 0), win_positions[:, :w]],
+                              axis=1)
+  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids[:, :w]], axis=1).astype(jnp.int32)
+  hidden, (k, v) = model.hidden_states(tokens, positions, ids, state.cache)  # hidden [B, P + w, E]
   cache = state.cache.write(k, v, ids, jnp.full((batch,), width, jnp.int32))  # the prompt only
   # The head runs on the window and the last prompt row only (Dream's shift takes its output).
-  raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + W, V]
-  logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, W, V]
-  state = state.replace(cache=cache, prev_logits=raw[:, 0])
-  return _advance(state, win_tokens, win_cols, logits, knobs, spec)
+  raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + w, V]
+  logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, w, V]
+  key, sub = jax.random.split(state.key)
+  choice, confidence = _choose(logits, sub, knobs, spec)
+  state = state.replace(cache=cache, prev_logits=raw[:, 0], key=key)
+  return _advance(state, win_tokens, win_cols, choice, confidence, spec.window_widths[0], knobs, spec)
+
+
+def width_index(state: D2FState, spec: DecodeSpec) -> jax.Array:
+  """() int32: the narrowest compiled window that holds every live row's uncached blocks."""
+  needed = jnp.max(jnp.where(state.done, 1, state.added - state.cached))  # blocks from the first uncached
+  widths = jnp.asarray(spec.window_widths, jnp.int32)
+  return jnp.minimum(jnp.sum(widths < needed), len(spec.window_widths) - 1).astype(jnp.int32)
 
 
 def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
-  """One forward over the window against the cache, writing the pending blocks' K/V, then accept."""
+  """One forward over the window against the cache, writing the pending blocks' K/V, then accept.
+
+  The forward runs at the narrowest compiled width that holds the blocks in flight (`lax.switch` over
+  `spec.window_widths`); every branch returns widest-window shapes, so the bookkeeping is width-free."""
   tokens, positions, ids, cols = _window_inputs(state, spec)
-  raw, (k, v) = model(tokens, positions, ids, state.cache)  # raw [B, W, V]
   written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B]
+  key, sub = jax.random.split(state.key)
+
+  def forward(blocks: int):
+    def run(_):
+      w = blocks * spec.block_size
+      raw, (k, v) = model(tokens[:, :w], positions[:, :w], ids[:, :w], state.cache)  # raw [B, w, V]
+      logits = align_logits(raw, spec.model, previous=state.prev_logits)  # [B, w, V]
+      last = jnp.maximum(written - 1, 0)  # window row of the last token now cached
+      last_row = jnp.take_along_axis(raw, last[:, None, None], axis=1)[:, 0]  # [B, V]
+      choice, confidence = _choose(logits, sub, knobs, spec)
+      pad = ((0, 0), (0, 0), (0, spec.window - w), (0, 0), (0, 0))  # k, v [L, B, w, K, D] -> [L, B, W, K, D]
+      return jnp.pad(k, pad), jnp.pad(v, pad), last_row, choice, confidence
+    return run
+
+  index = width_index(state, spec)
+  branches = [forward(b) for b in spec.window_widths]
+  k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1
+                                        else jax.lax.switch(index, branches, None))
   cache = state.cache.write(k, v, ids, written)
-  logits = align_logits(raw, spec.model, previous=state.prev_logits)  # [B, W, V]
-  last = jnp.maximum(written - 1, 0)  # window row of the last token now cached
-  last_row = jnp.take_along_axis(raw, last[:, None, None], axis=1)[:, 0]  # [B, V]
   prev = jnp.where((written > 0)[:, None], last_row, state.prev_logits)
-  return _advance(state.replace(cache=cache, prev_logits=prev), tokens, cols, logits, knobs, spec)
+  used = jnp.asarray(spec.window_widths, jnp.int32)[index]
+  return _advance(state.replace(cache=cache, prev_logits=prev, key=key), tokens, cols, choice, confidence, used,
+                  knobs, spec)
 
 
-def _advance(state: D2FState, window: jax.Array, cols: jax.Array, logits: jax.Array, knobs: Knobs,
-             spec: DecodeSpec) -> D2FState:
+def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Array, confidence: jax.Array,
+             used_blocks, knobs: Knobs, spec: DecodeSpec) -> D2FState:
   """Acceptance and block bookkeeping after a forward.
 
-  window: [B, W] the window's tokens, at buffer columns `cols` [B, W]; logits: [B, W, V] aligned.
+  window: [B, W] the widest window's tokens, at buffer columns `cols` [B, W]; choice / confidence: [B, W]
+  the chosen ids and their confidences (columns past the forward's width: blocks not yet appended);
+  used_blocks: the forward's width in blocks (diagnostics).
   """
   bs, nk = spec.block_size, spec.window_blocks
-  batch = logits.shape[0]
+  batch = window.shape[0]
   width = _prompt_width(state, spec)
   live = ~state.done  # [B]
 
@@ -141,8 +196,6 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, logits: jax.Ar
   before = jnp.concatenate([jnp.full((batch, 1), bs, jnp.int32), decoded[:, :-1]], axis=1)
   fully = before >= knobs.act_count  # [B, nk]
 
-  key, sub = jax.random.split(state.key)
-  choice, confidence, _ = choose_tokens(logits, sub, knobs, spec.sample)  # [B, W] each
   choice = choice.reshape(batch, nk, bs)
   confidence = confidence.reshape(batch, nk, bs)
   candidate = masked & in_flight[..., None]  # [B, nk, bs]
@@ -183,13 +236,15 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, logits: jax.Ar
   blocks = jnp.where(exists, blocks, EMPTY)  # [B, nk]
   semi = jnp.any((blocks == SEMI_ACTIVE) & (masks > 0), axis=1)
   return state.replace(
-      tokens=tokens, trace=trace, key=key, t=state.t + 1, eos=keep(eos, state.eos),
+      tokens=tokens, trace=trace, t=state.t + 1, eos=keep(eos, state.eos),
       blocks=jnp.where(live[:, None], blocks, state.blocks),
       cached=keep(cached, state.cached), pending=keep(pending, state.pending),
       added=state.added + grow, done=state.done | (remaining == 0), forwards=state.forwards + live,
       max_in_flight=keep(jnp.maximum(state.max_in_flight, in_flight.sum(1)), state.max_in_flight),
       semi_steps=state.semi_steps + (live & semi),
-      max_accepted=keep(jnp.maximum(state.max_accepted, flat.sum(1)), state.max_accepted))
+      max_accepted=keep(jnp.maximum(state.max_accepted, flat.sum(1)), state.max_accepted),
+      in_flight_sum=state.in_flight_sum + live * in_flight.sum(1).astype(jnp.int32),
+      window_sum=state.window_sum + live * used_blocks)
 
 
 def running(state: D2FState, spec: DecodeSpec) -> jax.Array:
@@ -202,4 +257,5 @@ def finish(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
   response = state.tokens[:, width:width + spec.max_new_tokens]
   return make_result(response, state.trace[:, :spec.max_new_tokens], knobs.stop_ids, spec.model.pad_token_id,
                      state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
-                     max_accepted=state.max_accepted)
+                     max_accepted=state.max_accepted, in_flight_sum=state.in_flight_sum,
+                     window_sum=state.window_sum)

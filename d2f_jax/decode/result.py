@@ -21,6 +21,8 @@ class DecodeResult:
   trace: [B, N] step (0 = the first forward) at which each position was accepted, -1 if never decoded.
   max_in_flight / semi_steps / max_accepted: [B] d2f diagnostics: most blocks decoding in one forward,
     forwards that saw a semi-activated block, most tokens accepted in one step (zero for other methods).
+  in_flight_sum / window_sum: [B] d2f: blocks in flight and window width (blocks) summed over the row's
+    forwards (divide by `forwards` for the means; zero for other methods).
   """
 
   tokens: jax.Array
@@ -31,6 +33,8 @@ class DecodeResult:
   max_in_flight: jax.Array
   semi_steps: jax.Array
   max_accepted: jax.Array
+  in_flight_sum: jax.Array
+  window_sum: jax.Array
 
   def to_lists(self) -> list[list[int]]:
     """Generated ids per row, without the padding."""
@@ -48,11 +52,13 @@ def cut_at_stop(response: jax.Array, stop_ids: jax.Array, pad_id: int) -> tuple[
 
 
 def make_result(response, trace, stop_ids, pad_id, forwards, steps=None, max_in_flight=None, semi_steps=None,
-                max_accepted=None) -> DecodeResult:
+                max_accepted=None, in_flight_sum=None, window_sum=None) -> DecodeResult:
   tokens, lengths = cut_at_stop(response, stop_ids, pad_id)
   zeros = jnp.zeros_like(lengths)
   return DecodeResult(tokens=tokens, lengths=lengths, forwards=forwards.astype(jnp.int32),
                       steps=(forwards if steps is None else steps).astype(jnp.int32), trace=trace.astype(jnp.int32),
                       max_in_flight=zeros if max_in_flight is None else max_in_flight,
                       semi_steps=zeros if semi_steps is None else semi_steps,
-                      max_accepted=zeros if max_accepted is None else max_accepted)
+                      max_accepted=zeros if max_accepted is None else max_accepted,
+                      in_flight_sum=zeros if in_flight_sum is None else in_flight_sum,
+                      window_sum=zeros if window_sum is None else window_sum)
