@@ -97,6 +97,16 @@ class TestKernelsGPUInterpret:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     _assert_close(actual, expected, dtype, valid=inputs["q_ids"] != PAD_ID)
 
+  def test_window_longer_than_a_key_tile(self):
+    """A window wider than block_k (an AR prefill's whole prompt) is read in several key tiles."""
+    rng = _rng(self.INTERPRET, "window_tiles", "float32")
+    inputs, written = _window_inputs(rng, HEADS["gqa7"], "float32", self.CACHE_SIZE, lengths=(5, 0, 17),
+                                     window=37, block=8)
+    clean = dict(inputs, cache_k=jnp.where(written[:, :, None, None], inputs["cache_k"], 0),
+                 cache_v=jnp.where(written[:, :, None, None], inputs["cache_v"], 0))
+    _assert_close(self._window(**inputs), window_attention_reference(**clean), "float32",
+                  valid=inputs["q_ids"] != PAD_ID)
+
   def test_window_detects_a_wrong_mask(self):
     """The comparison above can fail: the kernel is far from a reference whose window is bidirectional."""
     rng = _rng(self.INTERPRET, "wrong")

@@ -3,7 +3,7 @@
 Grid (batch, kv head, row tile). A row is one (window token, query head) pair of one kv head, so the G
 query heads sharing a kv head read each K/V tile once. The cache is read in place in the model's
 [B, S, K, D] layout; the loop over cache tiles stops at the row's valid length, so a short cache costs
-little no matter how large it was allocated.
+little no matter how large it was allocated. The window's own keys are read in tiles of block_k too.
 """
 
 from __future__ import annotations
@@ -30,10 +30,17 @@ def _window_kernel(len_ref, q_ref, q_ids_ref, kw_ref, vw_ref, w_ids_ref, kc_ref,
   init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
           jnp.zeros((rows, head_dim), jnp.float32))
 
-  # The window first: every real row sees at least itself there.
-  s = matmul(q, kw_ref[...], trans_b=True, precision=precision) * scale  # [bm, W]
-  s = jnp.where(w_ids_ref[...][None, :] <= q_ids, s, MASK_VALUE)
-  carry = online_softmax_step(*init, s, vw_ref[...], precision)
+  # The window first, in tiles of at most block_k keys (a whole prefill prompt can be the window: loaded
+  # at once, its K/V and scores would overflow shared memory); every real row sees itself there.
+  window_block = min(block_k, kw_ref.shape[0])  # both powers of two: it divides W
+
+  def window_body(j, carry):
+    tile = pl.ds(pl.multiple_of(j * window_block, window_block), window_block)
+    s = matmul(q, kw_ref[tile, :], trans_b=True, precision=precision) * scale  # [bm, wb]
+    s = jnp.where(w_ids_ref[tile][None, :] <= q_ids, s, MASK_VALUE)
+    return online_softmax_step(*carry, s, vw_ref[tile, :], precision)
+
+  carry = lax.fori_loop(0, kw_ref.shape[0] // window_block, window_body, init)
 
   length = len_ref[...]
 
