@@ -111,3 +111,18 @@ def test_method_that_does_not_fit_the_model_is_refused():
   check_method_fits(model, DecodeConfig(method="ar"), None)  # unknown: nothing to check
   with pytest.raises(ValueError, match="mask token"):
     check_method_fits(model.replace(mask_token_id=model.vocab_size), DecodeConfig(), None)
+
+
+def test_bench_width_table_runs_and_checks_tokens(tmp_path):
+  """`python -m d2f_jax.bench decode`'s before/after table: same tokens (it raises otherwise), narrower
+  mean windows with the width set, one row per tau_add."""
+  import json
+  from d2f_jax.bench import decode as bench_decode
+  out = tmp_path / "bench.json"
+  bench_decode.main(["--family", "", "--max_new_tokens", "32", "--block_size", "8", "--repeats", "1",
+                     "--width_tau_add", "1.0,0.0", "--out", str(out)])
+  rows = json.loads(out.read_text())["widths"]
+  assert [r["tau_add"] for r in rows] == [1.0, 0.0]
+  for row in rows:
+    assert row["fixed_window"] == 4 and row["width_set_window"] < row["fixed_window"]
+    assert row["in_flight"] <= row["width_set_window"]
