@@ -6,19 +6,39 @@ r"""Asymmetric distillation from the command line.
 `--config` takes a config file and its `get_config` argument after ':'; `--config.a.b=v` overrides a field.
 Re-running with the same workdir resumes from its newest checkpoint. Multi-host runs need the workdir on a
 filesystem every host sees (NFS, Filestore, a gcsfuse mount of a bucket).
+
+Exit status (what a scheduler / the launch scripts act on):
+  0    done: config.total_steps reached, final checkpoint (and export) written
+  2    refused input: a bad config field, data file or model directory, or a workdir whose checkpoints
+       were written with an incompatible config (one `error:` line naming the field); nothing overwritten
+  3    diverged: a non-finite loss, gradient or parameter; no checkpoint or export of that state
+  143  preempted: stopped by SIGTERM (or a preemption notice) after saving the checkpoint of the step it
+       finished; run the same command again to resume
+  other  a crash (traceback); the newest intact checkpoint is resumed on the next run
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
+from d2f_jax import config_files
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally `path.py:arg`.", lock_config=True)
+_CONFIG = config_files.DEFINE_config_file("config", None, "Config file, optionally `path.py:arg`.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported adapter.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a process SIGTERM killed
+
+
+def _fail(code: int, error: BaseException) -> None:
+  message = " ".join(str(error).split()) or type(error).__name__
+  print(f"error: {message}", file=sys.stderr)
+  raise SystemExit(code)
 
 
 def main(argv) -> None:
@@ -27,18 +47,34 @@ def main(argv) -> None:
   # absl (and orbax through it) logs every checkpoint step at INFO: keep those to warnings, ours at INFO.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.INFO)
+  from d2f_jax.convert.errors import ConvertError
   from d2f_jax.train import config as config_lib, sharding
+  from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
   config = _CONFIG.value
-  config_lib.validate(config)
+  try:
+    config_lib.validate(config)
+  except ValueError as e:
+    _fail(EXIT_BAD_INPUT, e)
   sharding.maybe_initialize_distributed(config.distributed)  # before anything touches the devices
-  from d2f_jax.train.trainer import Trainer
-  trainer = Trainer(config, _WORKDIR.value)
-  history = trainer.run()
+  from d2f_jax.train.trainer import NonFiniteError, Trainer
+  try:
+    trainer = Trainer(config, _WORKDIR.value)
+  except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:
+    _fail(EXIT_BAD_INPUT, e)  # a config field, data file, model directory or workdir that cannot be used
+  try:
+    history = trainer.run()
+  except NonFiniteError as e:
+    trainer.close()
+    _fail(EXIT_DIVERGED, e)
   trainer.close()
+  log = logging.getLogger("d2f_jax")
   if history:
     last = history[-1]
     summary = {k: round(v, 5) for k, v in last.items() if k != "step"}
-    logging.getLogger("d2f_jax").info("done at step %d: %s", last["step"], summary)
+    log.info("%s at step %d: %s", "preempted" if trainer.preempted else "done", last["step"], summary)
+  if trainer.preempted:
+    log.warning("exiting with status %d (preempted, checkpoint saved): rerun to resume", EXIT_PREEMPTED)
+    raise SystemExit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,28 @@
-"""Orbax checkpoints of the train state and the data position; saving on preemption.
+"""Orbax checkpoints of the train state and the data position; saving on preemption; corrupt ones set aside.
 
 Each checkpoint holds `state` (step, trainable params, optimizer state, RNG; restored straight into its
 shardings) and `data` (the grain iterator position, JSON). Saves are async: orbax copies the arrays to
 host before `save` returns, so the donated state can be overwritten by the next step while files are
 written. A SIGTERM (single process) or JAX's preemption sync point (multi-host, where the distributed
 runtime turns the notice into an agreed step) makes the loop save and stop at a step boundary.
+
+`restore_newest` tries the newest checkpoint first; one that cannot be read (a truncated file, an empty
+`data/metadata`, a missing `state/_METADATA`) is reported and the next older one is tried. Unreadable newer
+ones are then moved to `<checkpoints>.corrupt/` (never deleted), so the run continues from the newest intact
+step and later saves cannot collide with them. Shapes that do not fit the run's config are a different
+error (`CheckpointMismatch`, naming each parameter): that is the config's fault, not the files'.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
+import time
 
+import jax
 import orbax.checkpoint as ocp
 
 from d2f_jax.train.state import TrainState
@@ -21,15 +30,113 @@ from d2f_jax.train.state import TrainState
 log = logging.getLogger(__name__)
 
 
+class CheckpointMismatch(ValueError):
+  """A checkpoint whose arrays do not fit the run's config (e.g. a changed lora.rank)."""
+
+
+class CorruptCheckpoints(RuntimeError):
+  """No checkpoint of a workdir can be read."""
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(error).split()) or type(error).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  """{'params/layers/q_lora_a': shape, ...} of a state tree or its orbax metadata (same paths either way)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
 class Checkpointer:
   def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory) if "://" not in directory else directory
-    options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
-                                           enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+    self._options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
+                                                 enable_async_checkpointing=async_save, create=True)
+    self.manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    # Handlers named up front (not only through the save / restore args), so a fresh manager can read the
+    # arrays' metadata before anything is restored.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def due(self, step: int) -> bool:
+    """Whether `save(step, ...)` would write a checkpoint without `force`."""
+    return self.manager.should_save(step)
+
+  @property
+  def corrupt_directory(self) -> str:
+    return self.directory.rstrip("/") + ".corrupt"
+
+  def check_shapes(self, step: int, abstract: TrainState) -> None:
+    """Refuse checkpoint `step` if its arrays' shapes differ from `abstract`'s, naming each such array.
+    Unreadable metadata is left to the restore (it is corruption, not a mismatch)."""
+    try:
+      saved = _shapes(self.manager.item_metadata(step)["state"])
+    except Exception:  # noqa: BLE001 - judged by the restore that follows
+      return
+    if not saved:
+      return
+    wanted = _shapes(abstract.to_dict())
+    diffs = [f"{k}: checkpoint {saved.get(k, 'absent')}, config {wanted.get(k, 'absent')}"
+             for k in sorted(set(saved) | set(wanted), key=lambda k: (not k.startswith("params/"), k))
+             if saved.get(k) != wanted.get(k)]  # the parameters first: the optimizer's moments follow them
+    if diffs:
+      more = f" (and {len(diffs) - 6} more)" if len(diffs) > 6 else ""
+      raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} does not fit this config: "
+                               + "; ".join(diffs[:6]) + more)
+
+  def restore_newest(self, abstract: TrainState) -> tuple[int, TrainState, dict] | None:
+    """(step, state, data position) of the newest readable checkpoint, or None when there is none.
+
+    Unreadable newer checkpoints are logged and moved aside; if none can be read, CorruptCheckpoints is
+    raised and nothing is moved (then the cause is likely not the files)."""
+    failures: list[tuple[int, BaseException]] = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      self.check_shapes(step, abstract)
+      try:
+        state, data = self.restore(step, abstract)
+      except Exception as e:  # noqa: BLE001 - orbax / tensorstore / JSON errors of damaged files
+        log.warning("checkpoint step %d in %s is unreadable (%s); trying the next older one", step,
+                    self.directory, _short(e))
+        failures.append((step, e))
+        continue
+      if failures:
+        self._set_aside([s for s, _ in failures], step)
+      return step, state, data
+    if failures:
+      raise CorruptCheckpoints(f"no checkpoint in {self.directory} can be read: " +
+                               "; ".join(f"step {s}: {_short(e, 200)}" for s, e in failures))
+    return None
+
+  def _set_aside(self, steps: list[int], kept: int) -> None:
+    """Move unreadable checkpoints out of the manager's directory (kept for inspection, never deleted)."""
+    if jax.process_index() == 0:
+      os.makedirs(self.corrupt_directory, exist_ok=True)
+      for step in steps:
+        target = os.path.join(self.corrupt_directory, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(os.path.join(self.directory, str(step)), target)
+        log.warning("checkpoint step %d is corrupt: moved to %s; resuming from step %d", step, target, kept)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("d2f_jax corrupt checkpoints moved")
+    self.manager.close()
+    self.manager = self._open()
 
   def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
     """Save if `step` is due (or `force`); returns whether a save started."""

@@ -12,6 +12,8 @@ field the trainer reads and names the bad one, so a typo fails before any device
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 
 import ml_collections
@@ -193,7 +195,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "checkpoint.every and checkpoint.keep must be positive")
   _require(c.log_every > 0 and c.eval_every > 0, "log_every", c.log_every, "log_every and eval_every must be positive")
   for field in ("lr", "eps", "clip"):
-    _require(c.optim[field] > 0, f"optim.{field}", c.optim[field], "must be positive")
+    value = c.optim[field]
+    _require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"optim.{field}", value,
+             "must be a finite positive number")
+  for field in ("b1", "b2", "weight_decay"):
+    value = c.optim[field]
+    _require(isinstance(value, (int, float)) and math.isfinite(value), f"optim.{field}", value,
+             "must be a finite number")
   _require(c.optim.warmup_steps >= 0 and c.optim.weight_decay >= 0, "optim.warmup_steps", c.optim.warmup_steps,
            "warmup_steps and weight_decay must be >= 0")
 
@@ -218,3 +226,49 @@ def _validate_model(c: ml_collections.ConfigDict, objective: str) -> None:
   if c.data.source != "npz" and m.path is None and not m.synthetic:
     _require(c.data.tokenizer is not None, "data.tokenizer", None,
              f"data.source={c.data.source!r} tokenizes text but there is no model.path to take a tokenizer from")
+
+
+# Fields a resumed run must share with the run that wrote the checkpoints: they fix the shapes of the
+# trained state (LoRA rank and targets, full vs LoRA, the model's shape, the trainable dtype) or what the
+# trained parameters mean (objective, LoRA scale). Everything else (lr, steps, logging, eval) may change.
+RESUME_FIELDS = ("objective", "finetune", "lora.rank", "lora.targets", "lora.alpha", "lora.use_rslora",
+                 "train_dtype", "model.init", "model.preset", "model.overrides", "model.synthetic")
+
+
+def _lookup(tree: dict, dotted: str):
+  node = tree
+  for part in dotted.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return "<unset>"
+    node = node[part]
+  return node
+
+
+def resume_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+  """'field: checkpoint A, config B' for each RESUME_FIELDS entry where the saved run config differs."""
+  now = json.loads(config.to_json_best_effort())
+  out = []
+  for field in RESUME_FIELDS:
+    before, after = _lookup(saved, field), _lookup(now, field)
+    if field.startswith("lora.") and _lookup(now, "finetune") != "lora":
+      continue  # full fine-tuning ignores the LoRA fields
+    if before != after:
+      out.append(f"{field}: checkpoint {before!r}, config {after!r}")
+  return out
+
+
+def check_resume(workdir: str, config: ml_collections.ConfigDict, newest_step: int | None) -> None:
+  """Refuse to resume checkpoints of `workdir` written by an incompatible config, before anything in the
+  workdir is overwritten; the saved config is `<workdir>/config.json`, written when the run started."""
+  path = os.path.join(workdir, "config.json")
+  if newest_step is None or not os.path.isfile(path):
+    return
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: the config of the checkpointed run cannot be read ({e}); fix or remove it") from e
+  diffs = resume_mismatches(saved, config)
+  if diffs:
+    raise ValueError(f"{workdir} holds checkpoints (newest step {newest_step}) of a run with another config: "
+                     + "; ".join(diffs) + f" (saved in {path}). Use a new --workdir, or set these fields back")

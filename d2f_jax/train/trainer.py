@@ -3,8 +3,12 @@
     trainer = Trainer(config, workdir)   # restores the latest checkpoint in workdir, if any
     history = trainer.run()              # to config.total_steps; saves, evaluates, exports the result
 
-Everything that can resume does: the state and the data position come back from the newest checkpoint, and
-the run continues with the same losses it would have had without the interruption.
+Everything that can resume does: the state and the data position come back from the newest readable
+checkpoint (an unreadable newer one is moved aside), and the run continues with the same losses it would
+have had without the interruption. A resume with a config that changes the trained state's shape or meaning
+is refused before the workdir is touched. A non-finite loss, gradient or parameter stops the run
+(`NonFiniteError`) before any checkpoint or export is written from that state. Every logged step is
+appended to `<workdir>/metrics.jsonl` at once, so a killed run keeps the metrics of what it trained.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -32,6 +37,26 @@ from d2f_jax.train.step import compiled_eval, compiled_train_step, spec_from_con
 from d2f_jax.train.synthetic import ensure_synthetic
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class NonFiniteError(RuntimeError):
+  """A non-finite loss, gradient norm or parameter: training stopped without saving that state."""
+
+
+@jax.jit
+def _first_bad_step(first_bad: jax.Array, step: jax.Array, metrics: dict) -> jax.Array:
+  """The first step whose loss or gradient norm was not finite (-1: none yet), tracked on the device so
+  the loop needs no host sync per step."""
+  ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+  return jnp.where((first_bad < 0) & ~ok, step, first_bad)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def _rules(config) -> sharding.Rules:
@@ -59,18 +84,22 @@ class Trainer:
     sharding.maybe_initialize_distributed(config.distributed)
     self.config, self.workdir = config, os.path.abspath(workdir)
     self.is_main = jax.process_index() == 0
+    self.preempted = False  # set when run() stopped early on SIGTERM / a preemption notice (checkpoint saved)
     os.makedirs(self.workdir, exist_ok=True)
-    if self.is_main:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
+                                     keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    config_lib.check_resume(self.workdir, config, self.checkpointer.latest_step())  # before anything is written
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = _rules(config)
     self.model_path, data_path, self.tokenizer_dir = self._paths()
     self._setup_models()
     self._setup_data(data_path)
-    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
-                                     keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     self._setup_state()
+    if self.is_main:  # the restored checkpoint fits: from now on this config is the run's
+      tmp = os.path.join(self.workdir, "config.json.tmp")
+      with open(tmp, "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+      os.replace(tmp, os.path.join(self.workdir, "config.json"))
     self.writer = metrics_lib.Writer(self.workdir)
     self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
                                                              self.models.lora, teacher=self.models.teacher)
@@ -130,16 +159,16 @@ class Trainer:
 
   def _setup_state(self) -> None:
     """The newest checkpoint's state and data position, or a fresh state; both land in their shardings."""
-    latest = self.checkpointer.latest_step()
-    if latest is None:
+    target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
+    restored = self.checkpointer.restore_newest(target)
+    if restored is None:
       if self.models.keeps_base:
         base = self.frozen
       else:  # full fine-tune without a teacher: read the base once (or draw it in train_dtype), then drop it
         base = self._load_base() if self.model_path else None
       self.state = create_state(self.models, self.spec.optim, base, self.config.seed, self.mesh, self.rules)
       return
-    target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
-    self.state, data_state = self.checkpointer.restore(latest, target)
+    latest, self.state, data_state = restored
     self.data.set_state(data_state)
     log.info("restored step %d from %s", latest, self.checkpointer.directory)
 
@@ -183,7 +212,9 @@ class Trainer:
   def run(self, num_steps: int | None = None) -> list[dict]:
     """Train to config.total_steps (or only `num_steps` more, without the final save: a simulated crash).
 
-    Returns the logged metrics, one dict per logged step."""
+    Returns the logged metrics, one dict per logged step (each also appended to metrics.jsonl when logged).
+    Sets `self.preempted` when a SIGTERM / preemption notice ended it early (after saving its checkpoint);
+    raises NonFiniteError, before any save or export of that state, when training diverged."""
     c = self.config
     start = self.step
     end = c.total_steps if num_steps is None else min(c.total_steps, start + num_steps)
@@ -191,16 +222,18 @@ class Trainer:
     stop = StopSignal() if jax.process_count() == 1 else None
     tokens_per_step = c.batch_size * c.data.seq_len
     history: list[dict] = []
+    first_bad = jnp.int32(-1)
+    self.preempted = False
     bar = tqdm(total=end, initial=start, desc=c.objective, disable=not (c.progress_bar and self.is_main),
                dynamic_ncols=True)
     if start == 0 and self.eval_data:  # the untrained model: the baseline every later eval compares to
       baseline = self.evaluate()
-      history.append({"step": 0, **baseline})
-      self.writer.scalars(0, baseline)
+      self._log(history, 0, baseline)
     last_time, last_step = time.perf_counter(), start
     try:
       for step in range(start + 1, end + 1):
         self.state, metrics = step_fn(self.state, self.frozen, self.global_batch(next(self.data)))
+        first_bad = _first_bad_step(first_bad, jnp.int32(step), metrics)
         bar.update(1)
         record = {}
         if step % c.log_every == 0 or step == end:
@@ -212,29 +245,57 @@ class Trainer:
           last_time, last_step = now, step
           bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                           mfu=f"{record.get('mfu', 0.0):.1%}")
+        preempted = (stop is not None and stop.requested) or self.checkpointer.reached_preemption(step)
+        save = preempted or step == c.total_steps or self.checkpointer.due(step)
+        if record or save:  # one host sync, only where something is written
+          self._check_finite(first_bad, step, record, params=save)
         if self.eval_data and (step % c.eval_every == 0 or step == c.total_steps):
           record.update(self.evaluate())
           last_time = time.perf_counter()  # evaluation is not training throughput
         if record:
-          history.append({"step": step, **record})
-          self.writer.scalars(step, record)
-        preempted = (stop is not None and stop.requested) or self.checkpointer.reached_preemption(step)
-        self.checkpointer.save(step, self.state, self.data.get_state(), force=preempted or step == c.total_steps)
+          self._log(history, step, record)
+        if save:
+          self.checkpointer.save(step, self.state, self.data.get_state(), force=True)
         if preempted:
           log.warning("stopping at step %d after a preemption notice (checkpoint saved)", step)
+          self.preempted = True
           break
       self.checkpointer.wait()
       if self.step == c.total_steps and c.export:
+        self._check_finite(first_bad, self.step, {}, params=True)
         self.export()
     finally:
       bar.close()
       self.writer.flush()
       if stop is not None:
         stop.restore()
-    if self.is_main and history:
-      with open(os.path.join(self.workdir, "history.jsonl"), "a") as f:
-        f.writelines(json.dumps(h) + "\n" for h in history)
     return history
+
+  def _log(self, history: list[dict], step: int, record: dict) -> None:
+    """Keep one logged step: in the returned history, TensorBoard and metrics.jsonl (appended, flushed)."""
+    entry = {"step": step, **record}
+    history.append(entry)
+    self.writer.scalars(step, record)
+    if self.is_main:
+      with open(os.path.join(self.workdir, METRICS_FILE), "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+
+  def _check_finite(self, first_bad: jax.Array, step: int, record: dict, *, params: bool) -> None:
+    """Raise NonFiniteError if any step so far had a non-finite loss / gradient norm or (params=True) the
+    current parameters hold a NaN / inf; called before anything is logged, saved or exported."""
+    bad = int(jax.device_get(first_bad))
+    finite_params = bool(jax.device_get(_all_finite(self.state.params))) if params or bad >= 0 else True
+    if bad < 0 and finite_params:
+      return
+    newest = self.checkpointer.latest_step()
+    values = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "grad_norm") if k in record)
+    where = f"step {bad} had a non-finite loss or gradient norm" if bad >= 0 else \
+        f"the parameters after step {step} are not finite"
+    raise NonFiniteError(
+        f"training diverged: {where}{' (' + values + ')' if values else ''}, optim.lr={self.config.optim.lr}. "
+        f"Stopped at step {step} without saving a checkpoint or export of this state; the newest checkpoint is "
+        f"{'step ' + str(newest) if newest is not None else 'none'}. Lower optim.lr or check the data.")
 
   def close(self) -> None:
     self.checkpointer.wait()
