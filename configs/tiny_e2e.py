@@ -1,8 +1,12 @@
-r"""The miniature D2F reproduction that `python -m d2f_jax.main` runs by default (about 14 min on 2 CPU cores).
+r"""The miniature D2F reproduction that `python -m d2f_jax.main` runs by default (under 20 min on 2 CPU cores).
 
-A LLaDA-layout teacher is pre-trained from scratch with the masked-diffusion objective on the built-in
-arithmetic task, a same-size causal model is trained as the AR baseline, the D2F student is distilled
-from the teacher with the real trainer, and all decoders are compared on held-out problems.
+The recipe of Dream-7B + D2F in miniature, on the built-in arithmetic task:
+  1. AR pre-training: a Dream-layout (Qwen2-style) model learns the task causally. It is also the AR baseline.
+  2. MDM adaptation: the AR weights are adapted to masked diffusion with shifted logits (Dream's recipe:
+     row i - 1 predicts token i, the convention the AR model already has); this is the teacher.
+  3. D2F distillation: the student learns block-causal parallel decoding from the teacher.
+Optionally (`llada_teacher.steps > 0`) a LLaDA-layout teacher is also trained from scratch with the
+masked-diffusion objective, as a second teacher row.
 
   python -m d2f_jax.main                                   # this config, workdir ./workdir/tiny_e2e
   python -m d2f_jax.main --config configs/tiny_e2e.py:smoke --workdir /tmp/e2e   # a minute, for tests
@@ -14,28 +18,34 @@ from d2f_jax.train.config import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, smoke=False)
+  arg = parse_arg(arg, smoke=False, llada=False)
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.task = ml_collections.ConfigDict(dict(train=6000, test=128, min_steps=1, max_steps=2))
+  # Training problems are drawn from the generator (the held-out ones are never among them); the held-out
+  # set is what `python -m d2f_jax.evaluate --task arithmetic` scores (d2f_jax.tasks.arithmetic defaults).
+  c.task = ml_collections.ConfigDict(dict(train=30000, test=256, min_steps=1, max_steps=2))
   c.seq_len = 80
   c.model = ml_collections.ConfigDict(dict(embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32,
-                                           mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-5))
+                                           mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-6))
   c.batch_size = 32
-  # Stage lengths in optimizer steps; learning rates are toy-scale (from scratch, tiny model).
-  c.teacher = ml_collections.ConfigDict(dict(steps=1800, lr=2e-3, warmup=60))
-  c.ar = ml_collections.ConfigDict(dict(steps=300, lr=2e-3, warmup=30))
-  c.student = ml_collections.ConfigDict(dict(steps=300, lr=1e-3, warmup=20, finetune="full", lora_rank=32))
+  # Stage lengths in optimizer steps; learning rates are toy-scale (tiny model).
+  c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60))
+  c.teacher = ml_collections.ConfigDict(dict(steps=700, lr=1e-3, warmup=30))
+  c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32))
+  c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60))  # 0: skipped
   c.block_size = 8
   c.max_new_tokens = 40  # longest solution (39 tokens + EOS) in whole blocks
   # D2F threshold sweep: (tau_add, tau_act, tau_conf); the first is the paper's default.
   c.d2f_sweep = [(0.1, 0.95, 0.9), (0.3, 0.9, 0.8), (0.5, 0.9, 0.7)]
   c.threshold_tau_conf = 0.9
-  c.max_blocks_in_flight = 4
+  c.max_blocks_in_flight = 0  # 0: no cap (the authors' loop); a cap is a speed option only
   c.eval_batch_size = 1  # the paper's setting
+  if arg.llada:
+    c.llada_teacher.steps = 1800
   if arg.smoke:
     c.task.update(dict(train=256, test=4))
-    c.teacher.steps, c.ar.steps, c.student.steps = 6, 4, 4
+    c.ar.steps, c.teacher.steps, c.student.steps = 4, 4, 4
+    c.llada_teacher.steps = 0
     c.batch_size = 8
     c.d2f_sweep = [(0.1, 0.95, 0.9), (0.5, 0.9, 0.7)]
   return c

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_task(args):
   from d2f_jax.evals.runner import make_task as by_name
+  if args.task == "arithmetic":  # the main job's held-out set (d2f_jax.tasks.arithmetic defaults)
+    if args.data:
+      raise SystemExit("--data is not used by --task arithmetic: its problems come from the task's generator")
+    return by_name("arithmetic")
   if args.task == "gsm8k":
     return by_name("gsm8k", path=args.data, n_shot=args.n_shot, fewshot_path=args.fewshot_data,
                    fewshot_seed=args.fewshot_seed)
@@ -79,10 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
   out = args.out or f"results/evals/{args.task}_{args.method}_{time.strftime('%Y%m%d_%H%M%S')}"
 
   import d2f_jax
+  from d2f_jax.decode.config import check_method_fits, model_attention
   from d2f_jax.evals.runner import run_benchmark
 
   model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
                              mesh=mesh)
+  try:
+    check_method_fits(model.config, config, model_attention(model))
+  except ValueError as e:
+    raise SystemExit(f"--method {args.method} does not fit {args.model}: {e}") from e
   results = run_benchmark(model, task, config, batch_size=args.batch_size, limit=args.limit, chat=args.chat,
                           add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
   if "files" in results:  # process 0

@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> dict:
   if jax.process_count() > 1 and not args.no_stream:
     raise SystemExit("streaming reads the state on one process; pass --no_stream with several processes")
   model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
+  from d2f_jax.decode.config import check_method_fits, model_attention
+  try:
+    check_method_fits(model.config, config, model_attention(model))
+  except ValueError as e:
+    raise SystemExit(f"--method {args.method} does not fit {args.model}: {e}") from e
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   prompt = _prompt_ids(model, args)
   key = jax.random.key(args.seed)

@@ -2,8 +2,10 @@ r"""The main job: D2F reproduced in miniature on a CPU, end to end, with no down
 
   python -m d2f_jax.main [--config configs/tiny_e2e.py[:arg]] [--workdir DIR] [--config.field=value ...]
 
-Writes results.md, results.json, throughput_vs_accuracy.png and decode_trace.png into the workdir.
-Re-running with the same workdir skips finished stages and resumes unfinished ones.
+Writes results.md, results.json, throughput_vs_accuracy.png and decode_trace.png into the workdir, and the
+trained models as Hugging Face directories in <workdir>/<stage>/hf (ar, teacher, student). Stage messages,
+training and evaluation progress bars go to stderr. Re-running with the same workdir skips finished stages
+and resumes unfinished ones.
 """
 
 from __future__ import annotations
@@ -13,24 +15,26 @@ import os
 
 from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
+from d2f_jax import config_files
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_e2e.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file, optionally `path.py:arg`.")
+_CONFIG = config_files.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file, optionally `path.py:arg`.")
 _WORKDIR = flags.DEFINE_string("workdir", os.path.join("workdir", "tiny_e2e"), "Output and checkpoint directory.")
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # absl's handler owns the root logger: keep library chatter (jax, orbax) at WARNING; the stages speak
+  # through pipeline.say and the progress bars, on stderr.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.getLogger("d2f_jax").setLevel(logging.WARNING)
   from d2f_jax.e2e import pipeline
   payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
-  from d2f_jax.e2e.report import TABLE_COLUMNS
+  from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows
   from d2f_jax.bench.report import format_table
-  print(format_table(payload["rows"], TABLE_COLUMNS))
-  print(f"results in {os.path.abspath(_WORKDIR.value)}")
+  print(format_table(table_rows(payload["rows"]), TABLE_COLUMNS))
+  print(f"results in {os.path.abspath(_WORKDIR.value)} (results.md, results.json, *.png; models in */hf)")
 
 
 if __name__ == "__main__":

@@ -69,25 +69,54 @@ def test_encode_rows_pads_with_eos_and_refuses_overflow():
 
 
 def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
+  """The Dream-layout recipe end to end (AR pre-training -> MDM adaptation with shifted logits -> D2F)."""
   from d2f_jax.e2e import pipeline
   c = _config("smoke")
   payload = pipeline.run(c, str(tmp_path))
   rows = payload["rows"]
-  assert [r["method"] for r in rows] == ["vanilla", "threshold"] + ["d2f"] * len(c.d2f_sweep) + ["ar"]
+  assert [(r["method"], r["role"]) for r in rows] == (
+      [("vanilla", "teacher"), ("dream_vanilla", "teacher"), ("threshold", "teacher")]
+      + [("d2f", "student")] * len(c.d2f_sweep) + [("ar", "ar")])
   for row in rows:
     assert row["total"] == c.task.test and 0.0 <= row["accuracy"] <= 100.0
+    assert row["stderr"] >= 0.0 and row["ms_per_forward"] > 0
     assert row["tokens_per_forward"] is None or row["tokens_per_forward"] > 0
+    if row["method"] in ("d2f", "threshold"):
+      assert 1.0 <= row["mean_in_flight"] <= row["mean_window_blocks"] <= c.max_new_tokens // c.block_size
+  assert [p["method"] for p in payload["projection"]] == [r["method"] for r in rows]
   saved = json.loads((tmp_path / "results.json").read_text())
   assert saved["rows"] == json.loads(json.dumps(rows, default=str))
-  assert set(saved["stages"]) == {"teacher (mdm)", "ar baseline", "d2f student"}
+  assert set(saved["stages"]) == {"ar", "teacher", "student"}
   markdown = (tmp_path / "results.md").read_text()
-  assert "tokens_per_forward" in markdown and "speedup_vs_ar" in markdown and "d2f student" in markdown
+  for text in ("tokens/fwd", "vs AR", "blocks in flight", "ms/fwd", "+-", "Projection (not a measurement)",
+               "token-level", "workdir/<stage>/hf"):
+    assert text in markdown, text
   for picture in ("throughput_vs_accuracy.png", "decode_trace.png"):
     assert (tmp_path / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  for stage in ("teacher/hf", "ar/hf", "student/hf"):
-    assert (tmp_path / stage / "config.json").exists() and (tmp_path / stage / "tokenizer.json").exists()
+  for stage, kind in (("teacher", "bidirectional"), ("ar", "causal"), ("student", "block_causal")):
+    hf = json.loads((tmp_path / stage / "hf" / "config.json").read_text())
+    assert hf["d2f_attention"] == kind and (tmp_path / stage / "hf" / "tokenizer.json").exists()
+  assert json.loads((tmp_path / "teacher" / "hf" / "config.json").read_text())["model_type"] == "dream"
   # A second run skips the finished stages and reproduces the accuracies (greedy decoding).
   again = pipeline.run(c, str(tmp_path))
   assert all(stage.pop("skipped") for stage in again["stages"].values())
   assert again["stages"] == json.loads(json.dumps(payload["stages"]))  # the first run's summaries, kept
   assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in rows]
+
+  # `evaluate --task arithmetic` scores the main job's held-out task (not HumanEval) ...
+  from d2f_jax import evaluate
+  from d2f_jax.tasks.arithmetic import ArithmeticTask
+  out = tmp_path / "eval_arith"
+  results = evaluate.main(["--model", str(tmp_path / "student" / "hf"), "--task", "arithmetic", "--limit", "2",
+                           "--block_size", str(c.block_size), "--max_new_tokens", str(c.max_new_tokens),
+                           "--out", str(out), "--warmup", "none"])
+  assert results["task"] == "arithmetic" and results["total"] == 2
+  samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+  assert [s["id"] for s in samples] == [item["id"] for item in ArithmeticTask().load(2)]
+  # ... and a method the model cannot decode is refused, naming it.
+  with pytest.raises(SystemExit, match="does not fit.*trained causally"):
+    evaluate.main(["--model", str(tmp_path / "ar" / "hf"), "--task", "arithmetic", "--limit", "1",
+                   "--out", str(tmp_path / "bad")])
+  with pytest.raises(SystemExit, match="needs a causal model"):
+    evaluate.main(["--model", str(tmp_path / "teacher" / "hf"), "--task", "arithmetic", "--method", "ar",
+                   "--limit", "1", "--out", str(tmp_path / "bad")])

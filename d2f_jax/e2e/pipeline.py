@@ -1,16 +1,19 @@
-"""The stages of the miniature reproduction, each resumable: data, teacher, AR baseline, student, evaluation.
+"""The stages of the miniature reproduction, each resumable: data, AR pre-training, MDM adaptation, D2F
+distillation (optionally a LLaDA-layout teacher from scratch), evaluation, report.
 
-Every training stage is the project's one Trainer with a different objective (mdm, ar, distill) and writes
-a Hugging Face-format export; a finished stage (its export exists) is skipped when the run is restarted,
-an unfinished one resumes from its newest checkpoint.
+The recipe is Dream-7B's plus D2F, in miniature: a Dream-layout model is pre-trained autoregressively (it is
+also the AR baseline), adapted to masked diffusion with shifted logits (the teacher), then distilled into the
+block-causal D2F student. Every training stage is the project's one Trainer with a different objective
+(ar, mdm, distill) and writes a Hugging Face-format export (workdir/<stage>/hf); a finished stage is skipped
+when the run is restarted, an unfinished one resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 
 import jax
@@ -18,10 +21,11 @@ import ml_collections
 
 import d2f_jax
 from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.decode.config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
-from d2f_jax.e2e import report
+from d2f_jax.e2e import evaluation, report
 from d2f_jax.evals.data import write_json
-from d2f_jax.evals.runner import encode_prompts, run_benchmark
+from d2f_jax.evals.runner import encode_prompts
 from d2f_jax.tasks import tokenizer as tokenizer_lib
 from d2f_jax.tasks.arithmetic import ArithmeticTask
 from d2f_jax.train import config as train_config
@@ -29,17 +33,31 @@ from d2f_jax.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
+# What each exported model is, for `d2f_jax.decode.config.check_method_fits` (config.json ATTENTION_KEY).
+STAGE_ATTENTION = {"ar": "causal", "teacher": "bidirectional", "student": "block_causal",
+                   "llada_teacher": "bidirectional"}
 
-def model_overrides(c: ml_collections.ConfigDict) -> dict:
-  """ModelConfig fields of the tiny LLaDA-layout model, special ids from the task's tokenizer."""
-  return dict(vocab_size=len(tokenizer_lib.vocabulary()), family="llada", qkv_bias=False, logit_shift=False,
+
+def say(message: str) -> None:
+  """A stage message on stderr, visible whatever the logging set-up."""
+  print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def model_overrides(c: ml_collections.ConfigDict, family: str) -> dict:
+  """ModelConfig fields of a tiny model of `family` ('dream': q/k/v bias and shifted logits; 'llada': neither),
+  special ids from the task's tokenizer."""
+  if family not in ("dream", "llada"):
+    raise ValueError(f"family must be 'dream' or 'llada', got {family!r}")
+  dream = family == "dream"
+  return dict(vocab_size=len(tokenizer_lib.vocabulary()), family=family, qkv_bias=dream, logit_shift=dream,
               tie_embeddings=False, dtype="float32", param_dtype="float32", **c.model.to_dict(),
               **tokenizer_lib.special_ids())
 
 
 def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps: int, lr: float, warmup: int,
-                 model_path: str | None = None, finetune: str = "full", lora_rank: int = 32):
-  """A Trainer config for one stage on the pre-tokenized task data."""
+                 model_path: str | None = None, family: str = "dream", finetune: str = "full", lora_rank: int = 32):
+  """A Trainer config for one stage on the pre-tokenized task data: random init of `family` without a
+  `model_path`, else initialised from that stage's export (same layout, any objective)."""
   t = train_config.base_config()
   t.objective = objective
   t.seed = c.seed
@@ -48,7 +66,7 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   t.block_size = c.block_size
   if model_path is None:
     t.model.init = "random"
-    t.model.overrides = ml_collections.ConfigDict(model_overrides(c))
+    t.model.overrides = ml_collections.ConfigDict(model_overrides(c, family))
   else:
     t.model.path = model_path
   t.model.dtype = "float32"
@@ -71,13 +89,25 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   return t
 
 
+def mark_attention(export_dir: str, kind: str) -> None:
+  """Record in the export's config.json how the model was trained to attend (an extra key transformers
+  ignores), so a decoding method that does not fit it is refused. A stage initialised from another
+  inherits its config.json, hence the rewrite."""
+  path = os.path.join(export_dir, "config.json")
+  with open(path) as f:
+    hf = json.load(f)
+  if hf.get(ATTENTION_KEY) != kind:
+    hf[ATTENTION_KEY] = kind
+    write_json(path, hf)
+
+
 def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
   """Run (or resume, or skip) one training stage; returns (export dir, summary)."""
   stage_dir = os.path.join(workdir, name)
   done_marker = os.path.join(stage_dir, "stage_done.json")
   export_dir = os.path.join(stage_dir, "adapter" if config.finetune == "lora" else "hf")
   if os.path.exists(done_marker):
-    log.info("stage %s already finished: %s", name, export_dir)
+    say(f"stage {name}: already finished ({export_dir})")
     with open(done_marker) as f:
       return export_dir, {**json.load(f), "skipped": True}
   start = time.perf_counter()
@@ -88,26 +118,16 @@ def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
     trainer.close()
   if not os.path.isdir(export_dir):
     raise RuntimeError(f"stage {name} finished without writing its export {export_dir}")
+  if config.finetune != "lora":
+    mark_attention(export_dir, STAGE_ATTENTION[name])
   last = history[-1] if history else {}
-  summary = {"objective": config.objective, "steps": config.total_steps, "seconds": time.perf_counter() - start,
+  summary = {"objective": config.objective, "steps": config.total_steps,
+             "seconds": round(time.perf_counter() - start, 1),
              **{k: v for k, v in last.items() if k.startswith(("loss", "eval_"))}}
   write_json(done_marker, summary)
+  say(f"stage {name}: done in {summary['seconds']:.0f}s, " + ", ".join(
+      f"{k}={v:.4g}" for k, v in summary.items() if k.startswith("eval_")))
   return export_dir, summary
-
-
-def decode_configs(c) -> list[tuple[str, str, str, DecodeConfig]]:
-  """(method label, model role, settings text, DecodeConfig) for every row of the comparison."""
-  common = dict(block_size=c.block_size, max_new_tokens=c.max_new_tokens, prompt_buckets=64)
-  rows = [("vanilla", "teacher", f"{c.max_new_tokens} steps",
-           DecodeConfig(method="vanilla", steps=c.max_new_tokens, **common)),
-          ("threshold", "teacher", f"tau_conf={c.threshold_tau_conf}",
-           DecodeConfig(method="threshold", tau_conf=c.threshold_tau_conf, **common))]
-  for tau_add, tau_act, tau_conf in c.d2f_sweep:
-    rows.append(("d2f", "student", f"add={tau_add} act={tau_act} conf={tau_conf}",
-                 DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf,
-                              max_blocks_in_flight=c.max_blocks_in_flight, **common)))
-  rows.append(("ar", "ar", "KV cache", DecodeConfig(method="ar", **common)))
-  return rows
 
 
 def held_out_task(c) -> ArithmeticTask:
@@ -116,18 +136,20 @@ def held_out_task(c) -> ArithmeticTask:
                         max_steps=c.task.max_steps)
 
 
-def evaluate(c, models: dict, out_dir: str) -> list[dict]:
-  task = held_out_task(c)
-  rows = []
-  for i, (method, role, settings, dc) in enumerate(decode_configs(c)):
-    result = run_benchmark(models[role], task, dc, batch_size=c.eval_batch_size,
-                           out_dir=os.path.join(out_dir, "eval", f"{i:02d}_{method}"), log=log.info)
-    speed = result["speed"]
-    rows.append({"method": method, "model": role, "settings": settings, "accuracy": result["score"],
-                 "total": result["total"], "tokens_per_s": speed["tokens_per_s"],
-                 "tokens_per_forward": speed["tokens_per_forward"], "latency_ms": 1000 * speed["latency_s_mean"],
-                 "decode": dataclasses.asdict(dc)})
-  return report.add_ratios(rows)
+def stages(c) -> list[tuple[str, str, dict]]:
+  """(stage name, what it is, stage_config keywords) in training order; a stage of 0 steps is left out."""
+  out = [("ar", "AR pre-training of the Dream-layout model (also the AR baseline)",
+          dict(objective="ar", steps=c.ar.steps, lr=c.ar.lr, warmup=c.ar.warmup, family="dream")),
+         ("teacher", "MDM adaptation of the AR model with shifted logits (the teacher)",
+          dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, init="ar")),
+         ("student", "D2F asymmetric distillation of the teacher (the student)",
+          dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup,
+               finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]
+  if c.llada_teacher.steps > 0:
+    out.append(("llada_teacher", "LLaDA-layout teacher trained from scratch with the MDM objective",
+                dict(objective="mdm", steps=c.llada_teacher.steps, lr=c.llada_teacher.lr,
+                     warmup=c.llada_teacher.warmup, family="llada")))
+  return out
 
 
 def run(c, workdir: str) -> dict:
@@ -135,39 +157,43 @@ def run(c, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   data_dir = os.path.join(workdir, "data")
   os.makedirs(data_dir, exist_ok=True)
+  say(f"data: {c.task.train} training problems from the task generator, {c.task.test} held out")
   tokenizer_dir = data_lib.write_tokenizer(os.path.join(data_dir, "tokenizer"))
   data_path = data_lib.write_training_data(
       os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
       min_steps=c.task.min_steps, max_steps=c.task.max_steps)
-  common = dict(data_path=data_path, tokenizer_dir=tokenizer_dir)
-  stages = {}
-  teacher_dir, stages["teacher (mdm)"] = train_stage("teacher", stage_config(
-      c, objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, **common), workdir)
-  ar_dir, stages["ar baseline"] = train_stage("ar", stage_config(
-      c, objective="ar", steps=c.ar.steps, lr=c.ar.lr, warmup=c.ar.warmup, **common), workdir)
-  student_dir, stages["d2f student"] = train_stage("student", stage_config(
-      c, objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup,
-      model_path=teacher_dir, finetune=c.student.finetune, lora_rank=c.student.lora_rank, **common), workdir)
+  exports, summaries = {}, {}
+  plan = stages(c)
+  for i, (name, what, kw) in enumerate(plan):
+    kw = dict(kw)
+    init = kw.pop("init", None)
+    say(f"stage {i + 1}/{len(plan)} {name}: {what}, {kw['steps']} steps (progress bar '{kw['objective']}')")
+    exports[name], summaries[name] = train_stage(name, stage_config(
+        c, data_path=data_path, tokenizer_dir=tokenizer_dir, model_path=exports[init] if init else None, **kw),
+        workdir)
 
-  teacher = d2f_jax.load_model(teacher_dir)
-  models = {"teacher": teacher, "ar": d2f_jax.load_model(ar_dir),
-            "student": (d2f_jax.load_model(teacher_dir, lora_dir=student_dir) if c.student.finetune == "lora"
+  student_dir = exports["student"]
+  models = {"teacher": d2f_jax.load_model(exports["teacher"]), "ar": d2f_jax.load_model(exports["ar"]),
+            "student": (d2f_jax.load_model(exports["teacher"], lora_dir=student_dir) if c.student.finetune == "lora"
                         else d2f_jax.load_model(student_dir))}
-  rows = evaluate(c, models, workdir)
-  payload = report.write_results(workdir, rows, stages, c.to_dict())
+  if "llada_teacher" in exports:
+    models["llada_teacher"] = d2f_jax.load_model(exports["llada_teacher"])
+  say(f"evaluation: {len(evaluation.decode_rows(c, models))} decoding rows on {c.task.test} held-out problems")
+  rows = evaluation.evaluate(c, models, held_out_task(c), workdir, progress=say)
+  payload = report.write_results(workdir, rows, summaries, c.to_dict())
   report.plot_throughput(workdir, rows)
   _trace_picture(c, models["student"], workdir)
+  say(f"wrote {os.path.join(workdir, 'results.md')}")
   return payload
 
 
 def _trace_picture(c, student, workdir: str) -> None:
   """Decode the first held-out problem with the paper's default thresholds and draw when each token landed."""
-  task = held_out_task(c)
-  item = task.load(1)[0]
+  item = held_out_task(c).load(1)[0]
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
   dc = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
-                    tau_act=tau_act, tau_conf=tau_conf, max_blocks_in_flight=c.max_blocks_in_flight)
+                    tau_act=tau_act, tau_conf=tau_conf, max_blocks_in_flight=c.max_blocks_in_flight or None)
   result = generate(student, encode_prompts(student, [item]), dc, key=jax.random.key(c.seed))
   report.plot_trace(workdir, jax.device_get(result.trace)[0], c.block_size,
-                    f"D2F decoding of one held-out problem ({int(result.forwards[0])} forwards, "
-                    f"{int(result.lengths[0])} tokens)")
+                    f"D2F student, one held-out problem: {int(result.forwards[0])} forwards for "
+                    f"{int(result.lengths[0])} tokens (paper thresholds)")

@@ -7,82 +7,144 @@ import os
 import numpy as np
 
 from d2f_jax.bench.report import environment, format_table
+from d2f_jax.e2e import projection
 from d2f_jax.evals.data import write_json
 
-TABLE_COLUMNS = ["method", "model", "settings", "accuracy", "tokens_per_s", "tokens_per_forward",
-                 "latency_ms", "speedup_vs_ar", "speedup_vs_vanilla"]
+# (column title, row key, format)
+TABLE = [("method", "method", "{}"), ("model", "model", "{}"), ("settings", "settings", "{}"),
+         ("exact match %", None, None), ("tokens/s", "tokens_per_s", "{:.0f}"),
+         ("tokens/fwd", "tokens_per_forward", "{:.2f}"), ("blocks in flight", "mean_in_flight", "{:.2f}"),
+         ("window blocks", "mean_window_blocks", "{:.2f}"), ("ms/fwd", "ms_per_forward", "{:.3f}"),
+         ("vs AR", "speedup_vs_ar", "{:.2f}x"), ("vs threshold", "speedup_vs_threshold", "{:.2f}x")]
+TABLE_COLUMNS = [title for title, _, _ in TABLE]
+STAGE_TEXT = {"ar": "AR pre-training (Dream layout, causal; the AR baseline)",
+              "teacher": "MDM adaptation of the AR model, shifted logits (the teacher)",
+              "student": "D2F distillation (the student)", "llada_teacher": "LLaDA-layout MDM teacher from scratch"}
 
 
-def add_ratios(rows: list[dict]) -> list[dict]:
-  """tokens/s of every row relative to AR decoding and to the teacher's vanilla decoding, same run."""
-  by_method = {row["method"]: row for row in rows}
+def table_rows(rows: list[dict]) -> list[dict]:
+  """The results rows as text cells under TABLE_COLUMNS (blank where a column does not apply)."""
+  out = []
   for row in rows:
-    for name, ref in (("ar", "ar"), ("vanilla", "vanilla")):
-      base = by_method.get(ref)
-      row[f"speedup_vs_{name}"] = (row["tokens_per_s"] / base["tokens_per_s"]
-                                   if base and base["tokens_per_s"] else None)
-  return rows
+    cells = {}
+    for title, key, fmt in TABLE:
+      if key is None:
+        cells[title] = f"{row['accuracy']:.1f} +- {row['stderr']:.1f}"
+      else:
+        value = row.get(key)
+        cells[title] = "" if value is None else fmt.format(value)
+    out.append(cells)
+  return out
 
 
 def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict) -> dict:
-  payload = {"rows": rows, "stages": stages, "config": config, "environment": environment()}
+  block, new = config["block_size"], config["max_new_tokens"]
+  projected = projection.project(rows, block, new)
+  payload = {"rows": rows, "projection": projected, "stages": stages, "config": config, "environment": environment()}
   write_json(os.path.join(out_dir, "results.json"), payload)
-  lines = ["# D2F in miniature: results", "",
-           f"Held-out problems: {rows[0]['total'] if rows else 0}; measured on {payload['environment']['device']} "
-           f"({payload['environment']['cpus']} CPUs), batch 1, compile time excluded.", "",
-           "```", format_table(rows, TABLE_COLUMNS), "```", "", "## Training stages", ""]
+  env = payload["environment"]
+  total = rows[0]["total"] if rows else 0
+  lines = [
+      "# D2F in miniature: results", "",
+      f"{total} held-out arithmetic problems, exact match of the final answer (+- one binomial standard error). "
+      f"Measured on {env['device']} ({env['cpus']} CPUs), batch 1, greedy, compile time excluded; "
+      f"block {block}, at most {new} new tokens.", "",
+      "tokens/s = generated tokens (up to the stop token) / wall time of the generate calls; tokens/fwd = the same "
+      "tokens / model forwards; blocks in flight = blocks still decoding per forward (d2f, threshold); window "
+      "blocks = width of the forward's window in blocks (the blocks in flight plus finished ones whose cache it "
+      "writes); ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
+      "ratios to the AR row and the teacher's threshold row of this run.", "",
+      "```", format_table(table_rows(rows), TABLE_COLUMNS), "```", "",
+      "## Projection (not a measurement): LLaDA-8B tokens/s on H100 and TPU v5p", "",
+      "From the measured tokens per forward and window widths above, with a roofline per-forward cost of the 8B "
+      "model (bf16 weights and KV cache, batch 1): time = max(FLOPs / peak, bytes / HBM bandwidth); FLOPs = "
+      "2 n (layer params + head) + 4 n (c + n) H D L, bytes = all weights once + K/V of c cached tokens; "
+      "n = the window's tokens (vanilla: the whole sequence, no cache; ar: 1), c = prompt + half the response. "
+      "Peaks: H100 SXM 989 TFLOP/s, 3.35 TB/s; TPU v5p 459 TFLOP/s, 2.765 TB/s. Host and kernel overheads "
+      "are left out, so these are upper bounds; the ratios between methods are what carries over.", "",
+      "```", format_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in p.items()}
+                           for p in projected]) if projected else "(no rows)", "```", "",
+      "## Training stages", "",
+      "Wall time on the shared CPU; eval_loss / eval_accuracy are the stage's own objective on held-out training "
+      "rows: eval_accuracy (ar, mdm) is a token-level top-1 accuracy (of the next token for ar, of masked tokens "
+      "for mdm), not the exact match of whole answers in the table above; distill reports eval_kl, the KL "
+      "divergence from the teacher on masked tokens.", ""]
   for name, stage in stages.items():
-    lines.append(f"- {name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in stage.items()))
+    lines.append(f"- {name} ({STAGE_TEXT.get(name, name)}): " + ", ".join(
+        f"{k}={_fmt(v)}" for k, v in stage.items()))
+  lines += ["", "Models: workdir/<stage>/hf (Hugging Face format, load with `d2f_jax.load_model`). Prompt format: "
+            "`Question <question> Answer`; the model writes the worked solution ending in `So the answer is N.` "
+            "and its EOS."]
   _atomic_write(os.path.join(out_dir, "results.md"), "\n".join(lines) + "\n")
   return payload
+
+
+def _label(row: dict) -> str:
+  return f"{row['method']} ({row['settings']}) — {row['model']}"
 
 
 def plot_throughput(out_dir: str, rows: list[dict]) -> str:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import LogLocator, ScalarFormatter
 
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(9, 5))
+  markers = {"vanilla": "s", "dream_vanilla": "D", "threshold": "^", "d2f": "o", "ar": "P"}
   for row in rows:
-    ax.scatter(row["tokens_per_s"], row["accuracy"], s=40)
-    ax.annotate(f"{row['method']} {row['settings']}".strip(), (row["tokens_per_s"], row["accuracy"]),
-                fontsize=7, xytext=(4, 2), textcoords="offset points")
+    if not row["tokens_per_s"]:
+      continue
+    ax.errorbar(row["tokens_per_s"], row["accuracy"], yerr=row["stderr"], fmt=markers.get(row["method"], "o"),
+                ms=7, capsize=3, label=_label(row))
   ax.set_xscale("log")
-  ax.set_xlabel("tokens / s (log)")
-  ax.set_ylabel("exact match (%)")
-  ax.set_title("throughput vs accuracy")
-  ax.grid(alpha=0.3)
+  ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+  formatter = ScalarFormatter()
+  formatter.set_scientific(False)
+  ax.xaxis.set_major_formatter(formatter)
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  ax.set_xlabel("tokens / s on this CPU (log scale)")
+  ax.set_ylabel("exact match (%), +- 1 s.e.")
+  ax.set_title("throughput vs accuracy, held-out problems, batch 1")
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   path = os.path.join(out_dir, "throughput_vs_accuracy.png")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
   return path
 
 
 def plot_trace(out_dir: str, trace: np.ndarray, block_size: int, title: str) -> str:
-  """Position x step picture of one D2F decode: a cell is lit at the step its token was accepted."""
+  """Position x step picture of one D2F decode: a cell is lit at the step its token was accepted, coloured
+  by its block, so the overlap of blocks in flight (pipelining) is visible."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.patches import Patch
 
   trace = np.asarray(trace)
   accepted = trace >= 0
   length = int(np.nonzero(accepted)[0].max()) + 1 if accepted.any() else 1
   steps = int(trace.max()) + 1 if accepted.any() else 1
-  grid = np.zeros((steps, length))
+  blocks = -(-length // block_size)
+  colors = plt.get_cmap("tab10")
+  grid = np.ones((steps, length, 3))
   for pos in range(length):
     if trace[pos] >= 0:
-      grid[trace[pos], pos] = 1.0
-  fig, ax = plt.subplots(figsize=(max(6, length / 8), max(3, steps / 8)))
-  ax.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest", origin="lower")
+      grid[trace[pos], pos] = colors(pos // block_size % 10)[:3]
+  fig, ax = plt.subplots(figsize=(max(7, length / 6), max(3.5, steps / 5)))
+  ax.imshow(grid, aspect="auto", interpolation="nearest", origin="lower",
+            extent=(-0.5, length - 0.5, -0.5, steps - 0.5))
   for edge in range(block_size, length, block_size):
     ax.axvline(edge - 0.5, color="gray", lw=0.5)
   ax.set_xlabel(f"generated position (blocks of {block_size})")
-  ax.set_ylabel("decoding step")
-  ax.set_title(title)
+  ax.set_ylabel("decoding step (forward)")
+  ax.set_title(title, fontsize=9)
+  handles = [Patch(color=colors(b % 10), label=f"block {b}: token accepted at this step") for b in range(blocks)]
+  ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   path = os.path.join(out_dir, "decode_trace.png")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
   return path
 

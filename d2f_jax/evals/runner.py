@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from d2f_jax.decode import DecodeConfig, generate, trace_count
+from d2f_jax.decode.config import check_method_fits, model_attention
 from d2f_jax.evals.data import write_json, write_jsonl
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
@@ -109,6 +110,7 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
     raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
   if warmup not in WARMUPS:
     raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
+  check_method_fits(model.config, config, model_attention(model))  # a mismatched method decodes garbage
   procs = jax_processes() if processes is None else processes
   log = log or (lambda message: None)
   if procs.count > 1:

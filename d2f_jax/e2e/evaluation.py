@@ -1,0 +1,119 @@
+"""Evaluation of the miniature: every decoding row on the held-out problems, with speed and D2F diagnostics.
+
+Accuracy and speed come from the shared harness (`d2f_jax.evals.runner.run_benchmark`, batch 1, compile
+excluded). The pipelining diagnostics (mean blocks in flight and mean window width per forward) come from a
+second, batched greedy pass over the same prompts: rows of a batch decode exactly as alone (tests/test_decode),
+so the per-row statistics are the batch-1 ones, at a fraction of the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+import numpy as np
+from tqdm import tqdm
+
+from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.evals.runner import encode_prompts, run_benchmark
+
+# role -> the model column of the results table
+MODEL_NAMES = {"teacher": "teacher: Dream layout, AR -> MDM", "student": "D2F student (Dream layout)",
+               "ar": "AR: Dream layout, causal", "llada_teacher": "teacher: LLaDA layout, MDM from scratch"}
+
+
+def decode_rows(c, models: dict) -> list[tuple[str, str, str, DecodeConfig]]:
+  """(method, model role, settings text, DecodeConfig) for every row of the comparison."""
+  common = dict(block_size=c.block_size, max_new_tokens=c.max_new_tokens, prompt_buckets=64)
+  n = c.max_new_tokens
+  cap = c.max_blocks_in_flight or None
+  rows = []
+  for role in ("teacher", "llada_teacher"):
+    if role not in models:
+      continue
+    rows += [("vanilla", role, f"LLaDA semi-AR, {n} steps", DecodeConfig(method="vanilla", steps=n, **common)),
+             ("dream_vanilla", role, f"Dream, {n} steps", DecodeConfig(method="dream_vanilla", steps=n, **common)),
+             ("threshold", role, f"tau_conf={c.threshold_tau_conf}",
+              DecodeConfig(method="threshold", tau_conf=c.threshold_tau_conf, **common))]
+  for tau_add, tau_act, tau_conf in c.d2f_sweep:
+    rows.append(("d2f", "student", f"add={tau_add} act={tau_act} conf={tau_conf}",
+                 DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf,
+                              max_blocks_in_flight=cap, **common)))
+  rows.append(("ar", "ar", "KV cache", DecodeConfig(method="ar", **common)))
+  return rows
+
+
+def standard_error(percent: float, total: int) -> float:
+  """Binomial standard error of an accuracy in percent over `total` problems."""
+  p = percent / 100.0
+  return 100.0 * math.sqrt(p * (1.0 - p) / total) if total else float("nan")
+
+
+def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batch: int = 32) -> dict:
+  """Mean blocks in flight and mean window width (blocks) per forward, over all forwards of all prompts."""
+  if config.method not in ("d2f", "threshold"):
+    return {"mean_in_flight": None, "mean_window_blocks": None}
+  forwards = flight = window = 0
+  for i in range(0, len(prompts), batch):
+    result = generate(model, prompts[i:i + batch], config)
+    forwards += int(np.asarray(result.forwards).sum())
+    flight += int(np.asarray(result.in_flight_sum).sum())
+    window += int(np.asarray(result.window_sum).sum())
+  return {"mean_in_flight": flight / forwards, "mean_window_blocks": window / forwards}
+
+
+class _Bar:
+  """A tqdm bar named after the row, advanced by the harness's 'k/N samples' progress lines."""
+
+  def __init__(self, name: str, total: int):
+    self.bar = tqdm(total=total, desc=name, dynamic_ncols=True, leave=True)
+
+  def __call__(self, message: str) -> None:
+    match = re.search(r"\] (\d+)/(\d+) samples", message)
+    if match:
+      self.bar.update(int(match.group(1)) - self.bar.n)
+    elif "warm-up" in message:
+      self.bar.set_postfix_str("compiled")
+
+  def close(self) -> None:
+    self.bar.close()
+
+
+def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
+  rows = []
+  items = task.load()
+  for i, (method, role, settings, dc) in enumerate(decode_rows(c, models)):
+    model = models[role]
+    bar = _Bar(f"eval {i + 1}: {method} on {role}", len(items))
+    try:
+      result = run_benchmark(model, task, dc, batch_size=c.eval_batch_size,
+                             out_dir=os.path.join(out_dir, "eval", f"{i:02d}_{method}_{role}"), log=bar)
+    finally:
+      bar.close()
+    speed = result["speed"]
+    stats = pipelining_stats(model, encode_prompts(model, items), dc)
+    ms_per_forward = 1000.0 * speed["generate_seconds"] / speed["forwards"] if speed["forwards"] else None
+    row = {"method": method, "model": MODEL_NAMES[role], "role": role, "settings": settings,
+           "accuracy": result["score"], "stderr": standard_error(result["score"], result["total"]),
+           "total": result["total"], "tokens_per_s": speed["tokens_per_s"],
+           "tokens_per_forward": speed["tokens_per_forward"], "ms_per_forward": ms_per_forward,
+           "latency_ms": 1000 * speed["latency_s_mean"], **stats,
+           "prompt_tokens_mean": float(np.mean([len(p) for p in encode_prompts(model, items)])),
+           "decode": dataclasses.asdict(dc)}
+    progress(f"eval {i + 1}: {method} on {role}: exact match {row['accuracy']:.1f} +- {row['stderr']:.1f} %, "
+             f"{row['tokens_per_s']:.0f} tokens/s, {row['tokens_per_forward']:.2f} tokens/forward")
+    rows.append(row)
+  return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+  """tokens/s of every row relative to AR decoding and to the teacher's threshold decoder, same run."""
+  base = {"ar": next((r for r in rows if r["method"] == "ar"), None),
+          "threshold": next((r for r in rows if r["method"] == "threshold"), None)}
+  for row in rows:
+    for name, ref in base.items():
+      row[f"speedup_vs_{name}"] = (row["tokens_per_s"] / ref["tokens_per_s"]
+                                   if ref and ref["tokens_per_s"] and row["tokens_per_s"] else None)
+  return rows

@@ -1,0 +1,63 @@
+"""A stated roofline: tokens/s of LLaDA-8B on H100 and TPU v5p from the miniature's measured decoding shape.
+
+This is a projection, not a measurement. Per forward (batch 1, bf16 weights and KV cache):
+  FLOPs = 2 n (P_layers + E V) + 4 n (c + n) H D L     (matmuls of n window tokens; QK^T and PV over c + n keys)
+  bytes = 2 (P_layers + E V) + 2 n E + 2 * 2 L c K D    (every weight once, n embedding rows, K and V of c cached)
+  time  = max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)
+with n the tokens the forward computes, c the cached tokens it attends to, P_layers the transformer layers'
+parameters and E V the output head. tokens/s = measured tokens per forward / time. Host overhead, kernel
+efficiency and launch latency are left out, so real numbers are lower; the ratios between methods are the
+point, and they follow from the measured tokens per forward and window widths.
+"""
+
+from __future__ import annotations
+
+from d2f_jax.models import LLADA_8B, ModelConfig
+
+# Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s) from the vendors' data sheets.
+DEVICES = {"H100 SXM": (989e12, 3.35e12), "TPU v5p": (459e12, 2.765e12)}
+BYTES = 2  # bf16
+
+
+def layer_params(config: ModelConfig) -> int:
+  e, h, k, d, m = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
+  per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * m
+  return config.num_layers * per_layer
+
+
+def forward_cost(config: ModelConfig, n: float, c: float) -> tuple[float, float]:
+  """(FLOPs, bytes) of one forward computing `n` tokens against `c` cached ones."""
+  matmul = layer_params(config) + config.embed_dim * config.vocab_size
+  attention = 4 * n * (c + n) * config.num_heads * config.head_dim * config.num_layers
+  flops = 2 * n * matmul + attention
+  kv = 2 * config.num_layers * c * config.num_kv_heads * config.head_dim
+  return flops, BYTES * (matmul + n * config.embed_dim + kv)
+
+
+def forward_shape(row: dict, block_size: int, max_new_tokens: int) -> tuple[float, float]:
+  """(n, c) of a row's mean forward: the measured window (d2f, threshold), the whole sequence without a
+  cache (vanilla, dream_vanilla) or one token (ar); c = the prompt plus half the response."""
+  prompt = row["prompt_tokens_mean"]
+  if row["method"] in ("vanilla", "dream_vanilla"):
+    return prompt + max_new_tokens, 0.0
+  if row["method"] == "ar":
+    return 1.0, prompt + max_new_tokens / 2
+  return row["mean_window_blocks"] * block_size, prompt + max_new_tokens / 2
+
+
+def project(rows: list[dict], block_size: int, max_new_tokens: int, config: ModelConfig = LLADA_8B) -> list[dict]:
+  out = []
+  for row in rows:
+    if not row.get("tokens_per_forward"):
+      continue
+    n, c = forward_shape(row, block_size, max_new_tokens)
+    flops, nbytes = forward_cost(config, n, c)
+    entry = {"method": row["method"], "settings": row["settings"], "tokens_per_forward": row["tokens_per_forward"],
+             "tokens_per_fwd_window": n}
+    for device, (peak, bandwidth) in DEVICES.items():
+      seconds = max(flops / peak, nbytes / bandwidth)
+      entry[f"{device} ms/fwd"] = 1000 * seconds
+      entry[f"{device} tok/s"] = row["tokens_per_forward"] / seconds
+    entry["bound"] = "compute" if flops / DEVICES["H100 SXM"][0] > nbytes / DEVICES["H100 SXM"][1] else "memory"
+    out.append(entry)
+  return out
