@@ -18,6 +18,7 @@ from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
 from d2f_jax.train.config import load_config_file
 from d2f_jax.train.state import abstract_state
 from d2f_jax.train.trainer import METRICS_FILE, NonFiniteError, Trainer
+from test_robust_convert import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -41,15 +42,6 @@ def tiny_config(**overrides):
 
 def losses(history):
   return {h["step"]: h["loss"] for h in history if "loss" in h}
-
-
-def snapshot(path) -> dict:
-  out = {}
-  for root, _, files in os.walk(path):
-    for name in files:
-      full = os.path.join(root, name)
-      out[os.path.relpath(full, path)] = open(full, "rb").read()
-  return out
 
 
 def kept(workdir) -> dict:

@@ -93,14 +93,15 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
     finally:
       bar.close()
     speed = result["speed"]
-    stats = pipelining_stats(model, encode_prompts(model, items), dc)
+    prompts = encode_prompts(model, items)
+    stats = pipelining_stats(model, prompts, dc)
     ms_per_forward = 1000.0 * speed["generate_seconds"] / speed["forwards"] if speed["forwards"] else None
     row = {"method": method, "model": MODEL_NAMES[role], "role": role, "settings": settings,
            "accuracy": result["score"], "stderr": standard_error(result["score"], result["total"]),
            "total": result["total"], "tokens_per_s": speed["tokens_per_s"],
            "tokens_per_forward": speed["tokens_per_forward"], "ms_per_forward": ms_per_forward,
            "latency_ms": 1000 * speed["latency_s_mean"], **stats,
-           "prompt_tokens_mean": float(np.mean([len(p) for p in encode_prompts(model, items)])),
+           "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])),
            "decode": dataclasses.asdict(dc)}
     progress(f"eval {i + 1}: {method} on {role}: exact match {row['accuracy']:.1f} +- {row['stderr']:.1f} %, "
              f"{row['tokens_per_s']:.0f} tokens/s, {row['tokens_per_forward']:.2f} tokens/forward")
