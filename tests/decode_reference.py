@@ -71,7 +71,9 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
   def decoded(j):
     return int(np.sum(seq[block(j)] != mask_id))
 
-  while True:
+  while forwards < max_new_tokens + 2:
+    # A position whose argmax is the mask token stays masked, so the rules alone need not end (a random
+    # model can prefer the mask id); the jitted loop's bound of max_new_tokens + 2 steps ends it the same way.
     # 1. append a block
     last_ratio = 1.0 if not states else decoded(len(states) - 1) / bs
     active = sum(s == "active" for s in states)

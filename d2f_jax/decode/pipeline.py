@@ -215,7 +215,10 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Ar
   eos = state.eos | jnp.any(accept & is_stop(choice, knobs.stop_ids), axis=(1, 2))
 
   # Freeze: the leading run of finished blocks (after those written now) awaits its cache write.
-  masks_after = masks - accept.sum(-1)  # [B, nk]
+  # Counted from the tokens, as every step counts them: an accepted choice equal to the mask id (a model
+  # may prefer it) leaves its position masked, as in the authors' loop.
+  after = jnp.where(accept, choice, window.reshape(batch, nk, bs))  # [B, nk, bs]
+  masks_after = ((after == spec.model.mask_token_id) & exists[..., None]).sum(-1)  # [B, nk]
   finished = exists & (masks_after == 0)  # [B, nk] (the blocks written now are finished too)
   run = jnp.cumprod(finished.astype(jnp.int32), axis=1).sum(axis=1)  # [B] leading finished slots
   cached = state.cached + state.pending
