@@ -24,8 +24,9 @@ def _check(model, config, prompts=PROMPTS, expected=None):
   return result, expected
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("case", range(len(CASES)))
+# The width logic does not depend on the family; each family takes half the cases (each case compiles three
+# programs), and the defaults test below runs both.
+@pytest.mark.parametrize("family,case", [("llada", 0), ("dream", 1), ("llada", 2), ("dream", 3)])
 def test_width_sets_equal_the_reference(family, case):
   """Default widths and the widest window only (every case), a sparse set (one case), uncapped; alone, with
   every width compiled, each forward's window is exactly the reference's uncached blocks."""

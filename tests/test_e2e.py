@@ -96,7 +96,8 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
   for stage, kind in (("teacher", "bidirectional"), ("ar", "causal"), ("student", "block_causal")):
     hf = json.loads((tmp_path / stage / "hf" / "config.json").read_text())
     assert hf["d2f_attention"] == kind and (tmp_path / stage / "hf" / "tokenizer.json").exists()
-  assert json.loads((tmp_path / "teacher" / "hf" / "config.json").read_text())["model_type"] == "dream"
+  teacher_config = json.loads((tmp_path / "teacher" / "hf" / "config.json").read_text())
+  assert teacher_config["model_type"] == "Dream"  # spelled as in Dream-org/Dream-v0-Base-7B's config.json
   # A second run skips the finished stages and reproduces the accuracies (greedy decoding).
   again = pipeline.run(c, str(tmp_path))
   assert all(stage.pop("skipped") for stage in again["stages"].values())
