@@ -14,6 +14,7 @@ import time
 
 from d2f_jax.decode import generate, stream
 from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags
+from d2f_jax.decode.limits import DecodeInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _prompt_ids(model, args) -> list[int]:
   if args.prompt_ids is not None:
-    try:
-      return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    except ValueError as e:
-      raise SystemExit(f"--prompt_ids must be comma-separated integers, got {args.prompt_ids!r}") from e
+    pieces = [t.strip() for t in args.prompt_ids.split(",")]
+    if not all(t.lstrip("-").isdigit() for t in pieces):  # an empty piece ("1,,2") is an error, not skipped
+      raise DecodeInputError(f"--prompt_ids must be comma-separated integers, got {args.prompt_ids!r}")
+    return [int(t) for t in pieces]
   tok = model.tokenizer
   if tok is None:
     raise SystemExit(f"{args.model!r} has no tokenizer; pass --prompt_ids instead of --prompt")
@@ -74,8 +75,16 @@ def main(argv: list[str] | None = None) -> dict:
   except ValueError as e:
     raise SystemExit(f"--method {args.method} does not fit {args.model}: {e}") from e
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-  prompt = _prompt_ids(model, args)
   key = jax.random.key(args.seed)
+  try:
+    return _decode(model, _prompt_ids(model, args), config, key, args, mesh, say)
+  except DecodeInputError as e:  # ids, positions or memory: named, before anything compiled
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def _decode(model, prompt, config, key, args, mesh, say) -> dict:
+  import jax
   if args.warmup:
     jax.block_until_ready(generate(model, [prompt], config, key=key))
 

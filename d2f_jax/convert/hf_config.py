@@ -112,7 +112,7 @@ def _llada(hf: dict, source: str) -> ModelConfig:
       num_heads=n_heads, num_kv_heads=n_kv, head_dim=d_model // n_heads, mlp_dim=mlp,
       rope_theta=get_float(hf, "rope_theta", source), norm_eps=get_float(hf, "rms_norm_eps", source),
       qkv_bias=get_bool(hf, "include_qkv_bias", source), tie_embeddings=get_bool(hf, "weight_tying", source),
-      logit_shift=False)
+      logit_shift=False, max_positions=get_int(hf, "max_sequence_length", source, default=None))
 
 
 def _dream(hf: dict, source: str) -> ModelConfig:
@@ -133,7 +133,8 @@ def _dream(hf: dict, source: str) -> ModelConfig:
       num_heads=heads, num_kv_heads=get_int(hf, "num_key_value_heads", source, default=heads), head_dim=head_dim,
       mlp_dim=get_int(hf, "intermediate_size", source), rope_theta=get_float(hf, "rope_theta", source),
       norm_eps=get_float(hf, "rms_norm_eps", source), qkv_bias=True,
-      tie_embeddings=get_bool(hf, "tie_word_embeddings", source), logit_shift=True)
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", source), logit_shift=True,
+      max_positions=get_int(hf, "max_position_embeddings", source, default=None))
 
 
 def config_from_hf(hf: Any, *, source: str = "config.json") -> ModelConfig:
@@ -166,7 +167,7 @@ def hf_config_from_model(config: ModelConfig, dtype: str | None = None) -> dict[
         "bias_for_layer_norm": False, "d_model": config.embed_dim, "embedding_dropout": 0.0,
         "embedding_size": config.vocab_size, "include_bias": False, "include_qkv_bias": config.qkv_bias,
         "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
-        "max_sequence_length": 4096, "mlp_hidden_size": config.mlp_dim, "mlp_ratio": 4, "model_type": "llada",
+        "max_sequence_length": config.max_positions or 4096, "mlp_hidden_size": config.mlp_dim, "mlp_ratio": 4, "model_type": "llada",
         "multi_query_attention": None, "n_heads": config.num_heads, "n_kv_heads": config.num_kv_heads,
         "n_layers": config.num_layers, "precision": "amp_bf16", "residual_dropout": 0.0,
         "rms_norm_eps": config.norm_eps, "rope": True, "rope_full_precision": True,
@@ -183,7 +184,7 @@ def hf_config_from_model(config: ModelConfig, dtype: str | None = None) -> dict[
         "attention_dropout": 0.0,
         "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
         "hidden_act": "silu", "hidden_size": config.embed_dim, "initializer_range": 0.02,
-        "intermediate_size": config.mlp_dim, "max_position_embeddings": 131072,
+        "intermediate_size": config.mlp_dim, "max_position_embeddings": config.max_positions or 131072,
         "max_window_layers": config.num_layers, "model_type": "Dream",
         "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
         "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps, "rope_scaling": None,

@@ -49,6 +49,8 @@ class DecodeConfig:
   stop_tokens: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
   prompt_buckets: prompt lengths are padded up to a multiple of this int, or to the smallest length in
     this tuple that fits, so prompts within a bucket share one compiled program.
+  memory_budget_gib: checked before anything compiles (d2f_jax.decode.limits), with the positions the
+    model was trained for and the prompt ids.
   """
 
   method: Method = "d2f"
@@ -65,6 +67,7 @@ class DecodeConfig:
   alg: DreamAlg = "confidence"
   stop_tokens: tuple[int, ...] | None = None
   prompt_buckets: int | tuple[int, ...] = 64
+  memory_budget_gib: float | None = None  # KV cache + weights must fit; None: the decoding devices' memory
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -106,6 +109,10 @@ class DecodeConfig:
       if len(self.stop_tokens) > MAX_STOP_TOKENS or any(not isinstance(t, int) or t < 0 for t in self.stop_tokens):
         raise ValueError(f"DecodeConfig.stop_tokens must be at most {MAX_STOP_TOKENS} non-negative ints, "
                          f"got {self.stop_tokens!r}")
+    budget = self.memory_budget_gib
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not math.isfinite(budget) or budget <= 0):
+      raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
       raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "

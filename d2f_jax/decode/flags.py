@@ -25,6 +25,8 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
+  parser.add_argument("--memory_budget_gib", type=float, default=None,
+                      help="KV cache + weights must fit this many GiB (default: the decoding devices' memory)")
   parser.add_argument("--stop_tokens", default=None,
                       help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
 
@@ -42,7 +44,8 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
-                        alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket)
+                        alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
+                        memory_budget_gib=args.memory_budget_gib)
   except ValueError as e:
     raise SystemExit(f"bad decoding option: {e}") from e
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from d2f_jax.decode import baselines, pipeline
+from d2f_jax.decode import baselines, limits, pipeline
 from d2f_jax.decode.config import DecodeConfig, DecodeSpec, Knobs, resolve
 from d2f_jax.decode.mesh import (DecodeMesh, as_decode_mesh, constrain_loop_state, place_inputs, place_state,
                                  replicate)
@@ -136,24 +136,8 @@ def pack_prompts(prompts, config: DecodeConfig, model_config: ModelConfig, mask=
   prompts: a list of token-id lists (ragged), or a [B, T] array with an optional [B, T] mask of real
   tokens (any padding side; real tokens keep their order).
   """
-  if isinstance(prompts, (list, tuple)) and (not prompts or not np.isscalar(prompts[0])) and mask is None:
-    rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
-  else:
-    array = np.asarray(prompts)
-    if array.ndim != 2:
-      raise ValueError(f"prompt_ids must be a list of id lists or a [batch, length] array, got shape {array.shape}")
-    keep = np.ones(array.shape, bool) if mask is None else np.asarray(mask).astype(bool)
-    if keep.shape != array.shape:
-      raise ValueError(f"mask shape {keep.shape} != prompt_ids shape {array.shape}")
-    rows = [array[b][keep[b]].astype(np.int64) for b in range(array.shape[0])]
-  if not rows:
-    raise ValueError("prompt_ids holds no prompts")
-  for b, row in enumerate(rows):
-    if row.size == 0:
-      raise ValueError(f"prompt {b} is empty; every row needs at least one token")
-    if row.min() < 0 or row.max() >= model_config.vocab_size:
-      raise ValueError(f"prompt {b} has token ids outside [0, {model_config.vocab_size}): "
-                       f"range [{row.min()}, {row.max()}]")
+  rows = limits.prompt_rows(prompts, mask)
+  limits.check_vocabulary(rows, model_config)
   width = config.bucket(max(r.size for r in rows))
   packed = np.full((len(rows), width), model_config.pad_token_id, np.int32)
   for b, row in enumerate(rows):
@@ -172,6 +156,14 @@ class _Prepared(NamedTuple):
   batch: int  # B: the real rows
 
 
+_CACHED_METHODS = ("d2f", "threshold", "ar")
+
+
+def _devices_of(state) -> list:
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  return sorted(leaves[0].devices(), key=lambda d: d.id) if leaves else jax.local_devices()[:1]
+
+
 def _prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> _Prepared:
   if not isinstance(config, DecodeConfig):
     raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
@@ -181,8 +173,13 @@ def _prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> _P
                       f"{type(model).__name__} has no .{attr}")
   spec, knobs = resolve(config, model.config)
   prompt, prompt_len = pack_prompts(prompts, config, model.config, mask)
+  limits.check_positions(model.config, int(prompt_len.max()), spec.max_new_tokens)
   key = jax.random.key(0) if key is None else key
   placement = getattr(model, "placement", None) if mesh is None else as_decode_mesh(mesh, rules)
+  if spec.method in _CACHED_METHODS:  # the others keep no cache: their memory is one forward's
+    devices = list(placement.mesh.devices.flat) if placement is not None else _devices_of(model.state)
+    limits.check_memory(model.config, prompt.shape[0], prompt.shape[1] + spec.max_new_tokens, model.state,
+                        devices, config.memory_budget_gib)
   if placement is None:
     return _Prepared(spec, knobs, model.state, prompt, prompt_len, key, None, prompt.shape[0])
   params = place_state(model.state, placement)  # no copy when the model was `shard`ed on this mesh

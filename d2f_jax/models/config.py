@@ -45,12 +45,17 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of the weights
   attention_impl: str = "auto"  # one of ATTENTION_IMPLS; "auto": Pallas on GPU/TPU, the reference on CPU
   remat: bool = False  # rematerialise layer activations in the backward pass (long rows, big models)
+  # Positions the model was trained for (config.json's max_sequence_length / max_position_embeddings):
+  # decoding refuses rows that would run past them. None: unchecked.
+  max_positions: int | None = None
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
       value = getattr(self, field)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+    if self.max_positions is not None and (not isinstance(self.max_positions, int) or self.max_positions <= 0):
+      raise ValueError(f"ModelConfig.max_positions must be a positive int or None, got {self.max_positions!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -119,24 +124,27 @@ LLADA_8B = ModelConfig(
     vocab_size=126464, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
     mlp_dim=12288, rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
     logit_shift=False, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
-    bos_token_id=126080, eot_token_id=126348, family="llada", dtype="bfloat16", param_dtype="bfloat16")
+    bos_token_id=126080, eot_token_id=126348, family="llada", dtype="bfloat16", param_dtype="bfloat16",
+    max_positions=4096)
 
 DREAM_7B = ModelConfig(
     vocab_size=152064, embed_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
     mlp_dim=18944, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, tie_embeddings=False,
     logit_shift=True, mask_token_id=151666, eos_token_id=151643, pad_token_id=151643,
-    bos_token_id=None, eot_token_id=151645, family="dream", dtype="bfloat16", param_dtype="bfloat16")
+    bos_token_id=None, eot_token_id=151645, family="dream", dtype="bfloat16", param_dtype="bfloat16",
+    max_positions=131072)
 
 # Tiny variants keep each family's quirks (bias, GQA, shift, norm eps) at test size.
 TINY_LLADA = ModelConfig(
     vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=160,
     rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, logit_shift=False, mask_token_id=500,
-    eos_token_id=501, pad_token_id=501, bos_token_id=502, eot_token_id=503, family="llada")
+    eos_token_id=501, pad_token_id=501, bos_token_id=502, eot_token_id=503, family="llada", max_positions=4096)
 
 TINY_DREAM = ModelConfig(
     vocab_size=512, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16, mlp_dim=160,
     rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, logit_shift=True, mask_token_id=500,
-    eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=503, family="dream")
+    eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=503, family="dream",
+    max_positions=131072)
 
 PRESETS: dict[str, ModelConfig] = {
     "llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny-llada": TINY_LLADA, "tiny-dream": TINY_DREAM,
