@@ -9,8 +9,8 @@
 #       --num_hosts 2 --host_index 0 --coordinator 10.0.0.1:12355
 #   add --dry-run to print every command instead of running it.
 #
-# Steps: python3 -m venv -> pip install jax[cuda12] + the runtime requirements (not the tests' torch) + this
-# checkout (editable) -> run the command with its output tee'd to --logs/host-<index>.log. With --num_hosts > 1
+# Steps: python3 -m venv -> pip install -e ".[cuda12,eval]" (this checkout with jax[cuda12]; not the tests'
+# torch) -> run the command with its output tee'd to --logs/host-<index>.log. With --num_hosts > 1
 # the command runs under launch/jax_distributed.py, which starts jax.distributed from
 # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (also exported for --command).
 set -euo pipefail
@@ -36,7 +36,12 @@ usage: launch/$PROG (--config CONFIG --workdir DIR | --eval | --command "CMD") [
   --num_hosts N        hosts in the job (default 1); with N > 1 also --host_index and --coordinator
   --host_index I       this host's index, 0 .. N-1 (0 runs the coordinator)
   --coordinator H:P    address of host 0, reachable from every host
+  --retries N          rerun a job that exits 143 (preempted after saving its checkpoint: distill resumes from
+                       --workdir) up to N times (default 3; 0: never)
   --dry-run            print every command instead of running it
+
+Exit status: the job's own (distill: 0 done, 2 bad config, 3 non-finite loss, 143 preempted); 2 for bad
+arguments here.
 EOF
 }
 
@@ -51,7 +56,7 @@ need_value() {  # flag, number of remaining args, next arg
 }
 
 CONFIG="" WORKDIR="" EVAL=0 COMMAND="" VENV="" CUDA="12" GPUS="" SKIP_INSTALL=0 LOGS="logs/gpu"
-NUM_HOSTS=1 HOST_INDEX="" COORDINATOR="" DRY_RUN=0
+NUM_HOSTS=1 HOST_INDEX="" COORDINATOR="" DRY_RUN=0 RETRIES=3
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -67,6 +72,7 @@ while [[ $# -gt 0 ]]; do
     --num_hosts|--num-hosts) need_value "$1" $# "${2-}"; NUM_HOSTS="$2"; shift 2 ;;
     --host_index|--host-index) need_value "$1" $# "${2-}"; HOST_INDEX="$2"; shift 2 ;;
     --coordinator) need_value "$1" $# "${2-}"; COORDINATOR="$2"; shift 2 ;;
+    --retries) need_value "$1" $# "${2-}"; RETRIES="$2"; shift 2 ;;
     --dry-run|--dry_run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -96,6 +102,7 @@ if [[ $EVAL -eq 1 && ${#EXTRA[@]} -eq 0 ]]; then
 fi
 [[ "$CUDA" =~ ^(12|13)$ ]] || die "--cuda must be 12 or 13, got '$CUDA'"
 [[ -z "$GPUS" || "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus must be a comma-separated list of GPU indices, got '$GPUS'"
+[[ "$RETRIES" =~ ^[0-9]+$ ]] || die "--retries must be a non-negative integer, got '$RETRIES'"
 [[ "$NUM_HOSTS" =~ ^[1-9][0-9]*$ ]] || die "--num_hosts must be a positive integer, got '$NUM_HOSTS'"
 if (( NUM_HOSTS > 1 )); then
   [[ -n "$HOST_INDEX" ]] || die "--num_hosts $NUM_HOSTS needs --host_index (0 .. $(( NUM_HOSTS - 1 )))"
@@ -134,13 +141,11 @@ setenv() {  # export NAME=VALUE, printed in a dry run
 
 PY="$VENV/bin/python"
 if [[ $SKIP_INSTALL -eq 0 ]]; then
-  REQS="${TMPDIR:-/tmp}/d2f_requirements_gpu.txt"
   run python3 -m venv "$VENV"
   run "$PY" -m pip install -q -U pip
-  # Runtime requirements without the CPU jax pin and the tests' section (torch & co.).
-  run bash -c "sed '/^# Tests only/,\$d' $(printf '%q' "$ROOT/requirements.txt") | grep -v '^jax\[' > $(printf '%q' "$REQS")"
-  run "$PY" -m pip install -q "jax[cuda$CUDA]>=0.10.2,<0.11" -r "$REQS"
-  run "$PY" -m pip install -q --no-deps -e "$ROOT"
+  # The package with its CUDA and evaluation extras (jax[cudaN], the sandbox, lm-eval; not the tests' torch),
+  # editable: this checkout is the code that runs.
+  run "$PY" -m pip install -q -e "$ROOT[cuda$CUDA,eval]"
   run "$PY" -c "import jax; print(jax.devices())"
 fi
 
@@ -171,10 +176,26 @@ if [[ $DRY_RUN -eq 1 ]]; then
   exit 0
 fi
 cd "$ROOT"
-set +e
-{ printf '+'; printf ' %q' "${JOB[@]}"; printf ' 2>&1 | tee %q\n' "$LOG"; } >&2
-"${JOB[@]}" 2>&1 | tee "$LOG"
-status=${PIPESTATUS[0]}
-set -e
+# The job runs in the background so a SIGTERM to this script reaches it (it saves and exits 143) and is not
+# mistaken for the job's own preemption: a job that exits 143 is rerun (it resumes), a stopped script is not.
+STOPPING=0 CHILD=""
+on_signal() { STOPPING=1; [[ -z "$CHILD" ]] || kill -TERM "$CHILD" 2>/dev/null || true; }
+trap on_signal TERM INT
+attempt=0
+: > "$LOG"
+while :; do
+  { printf '+'; printf ' %q' "${JOB[@]}"; printf ' 2>&1 | tee -a %q\n' "$LOG"; } >&2
+  "${JOB[@]}" > >(tee -a "$LOG") 2>&1 &
+  CHILD=$!
+  status=0; wait "$CHILD" || status=$?
+  while kill -0 "$CHILD" 2>/dev/null; do status=0; wait "$CHILD" || status=$?; done  # a trapped signal ends wait early
+  CHILD=""
+  if [[ $status -eq 143 && $STOPPING -eq 0 && $attempt -lt $RETRIES ]]; then
+    attempt=$(( attempt + 1 ))
+    echo "$PROG: exit status 143 (preempted, checkpoint saved): resuming, retry $attempt of $RETRIES" >&2
+    continue
+  fi
+  break
+done
 echo "$PROG: exit status $status; log in $LOG" >&2
 exit "$status"

@@ -35,9 +35,12 @@ usage: launch/$PROG --name NAME --zone ZONE --accelerator TYPE
   --version RUNTIME    TPU software version (default per generation, e.g. v2-alpha-tpuv5 for v5p)
   --spot               create a Spot slice
   --src DIR            copy this source tree to the workers (default: this checkout, $ROOT)
-  --git URL            clone this repository on the workers instead of copying (--ref: branch or tag, default main)
+  --git URL            pip install "d2f_jax[tpu,eval] @ git+URL@REF" on the workers instead of copying
+                       (--ref: branch, tag or commit, default main; packaged configs: configs/<name>.py)
   --logs DIR           where the worker logs land (default: logs/NAME)
   --keep               do not delete the slice at the end
+  --retries N          rerun a job that exits 143 (preempted after saving its checkpoint; distill resumes from
+                       --workdir, which must outlive the slice, e.g. gs://) up to N times (default 3)
   --dry-run            print every command instead of running it
 EOF
 }
@@ -52,7 +55,7 @@ need_value() {  # flag, number of remaining args, next arg
   [[ $2 -ge 2 && "$3" != --* ]] || die "$1 needs a value"
 }
 
-NAME="" ZONE="" ACCEL="" PROJECT="" VERSION="" SPOT=0 SRC="" GIT="" REF="main" CONFIG="" WORKDIR=""
+NAME="" ZONE="" ACCEL="" PROJECT="" VERSION="" SPOT=0 SRC="" GIT="" REF="main" CONFIG="" WORKDIR="" RETRIES=3
 COMMAND="" LOGS="" KEEP=0 DRY_RUN=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
@@ -66,6 +69,7 @@ while [[ $# -gt 0 ]]; do
     --src) need_value "$1" $# "${2-}"; SRC="$2"; shift 2 ;;
     --git) need_value "$1" $# "${2-}"; GIT="$2"; shift 2 ;;
     --ref) need_value "$1" $# "${2-}"; REF="$2"; shift 2 ;;
+    --retries) need_value "$1" $# "${2-}"; RETRIES="$2"; shift 2 ;;
     --config) need_value "$1" $# "${2-}"; CONFIG="$2"; shift 2 ;;
     --workdir) need_value "$1" $# "${2-}"; WORKDIR="$2"; shift 2 ;;
     --command) need_value "$1" $# "${2-}"; COMMAND="$2"; shift 2 ;;
@@ -115,6 +119,7 @@ else
   [[ -z "$WORKDIR" ]] || die "--workdir goes with --config; put it inside --command instead"
   [[ ${#EXTRA[@]} -eq 0 ]] || die "flags after -- go to the distillation (--config); put them inside --command"
 fi
+[[ "$RETRIES" =~ ^[0-9]+$ ]] || die "--retries must be a non-negative integer, got '$RETRIES'"
 [[ -z "$SRC" || -z "$GIT" ]] || die "give either --src or --git, not both"
 if [[ -z "$GIT" ]]; then
   SRC="${SRC:-$ROOT}"
@@ -146,10 +151,14 @@ WHERE=(--zone="$ZONE")
 
 quote_all() { local out="" a; for a in "$@"; do out+="$(printf '%q' "$a") "; done; echo "${out% }"; }
 
-# Workers: a venv with jax[tpu] + the runtime requirements (not the tests' torch), the package editable.
+# Workers: a venv with the package and its TPU + evaluation extras (jax[tpu], the sandbox, lm-eval; not the
+# tests' torch), installed the way a user installs it: from the git URL, or from the copied tree.
 SETUP='set -e; python3 -m venv ~/d2f_venv; . ~/d2f_venv/bin/activate; pip install -q -U pip;'
-SETUP+=' sed "/^# Tests only/,\$d" ~/d2f_jax/requirements.txt | grep -v "^jax\[" > /tmp/d2f_requirements.txt;'
-SETUP+=' pip install -q "jax[tpu]>=0.10.2,<0.11" -r /tmp/d2f_requirements.txt; pip install -q --no-deps -e ~/d2f_jax'
+if [[ -n "$GIT" ]]; then
+  SETUP+=" pip install -q $(printf '%q' "d2f_jax[tpu,eval] @ git+$GIT@$REF")"
+else
+  SETUP+=' pip install -q ~/d2f_jax"[tpu,eval]"'
+fi
 if [[ -n "$CONFIG" ]]; then
   JOB="python -m d2f_jax.distill $(quote_all --config="$CONFIG" --workdir="$WORKDIR" ${EXTRA[@]+"${EXTRA[@]}"})"
 else
@@ -187,7 +196,7 @@ run "${CREATE[@]}"
 
 if [[ -n "$GIT" ]]; then
   run "${GC[@]}" ssh "$NAME" "${WHERE[@]}" --worker=all \
-    --command="rm -rf ~/d2f_jax && git clone --depth 1 --branch $(printf '%q' "$REF") $(printf '%q' "$GIT") ~/d2f_jax && $SETUP"
+    --command="rm -rf ~/d2f_jax && mkdir -p ~/d2f_jax && $SETUP"
 else
   TARBALL="${TMPDIR:-/tmp}/d2f_jax-$NAME.tgz"
   run tar -czf "$TARBALL" --exclude=".venv*" --exclude=.git --exclude=__pycache__ --exclude=logs --exclude=results \
@@ -198,4 +207,15 @@ else
 fi
 
 RAN=1
-run "${GC[@]}" ssh "$NAME" "${WHERE[@]}" --worker=all --command="$REMOTE_RUN"
+attempt=0
+while :; do  # a job that exits 143 (preempted after its checkpoint: distill resumes) runs again on the slice
+  status=0
+  run "${GC[@]}" ssh "$NAME" "${WHERE[@]}" --worker=all --command="$REMOTE_RUN" || status=$?
+  if [[ $status -eq 143 && $attempt -lt $RETRIES ]]; then
+    attempt=$(( attempt + 1 ))
+    echo "$PROG: exit status 143 (preempted, checkpoint saved): resuming, retry $attempt of $RETRIES" >&2
+    continue
+  fi
+  break
+done
+[[ $status -eq 0 ]] || exit "$status"

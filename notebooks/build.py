@@ -33,8 +33,10 @@ except ImportError:
     _root = os.path.abspath("..")
     if os.path.isfile(os.path.join(_root, "d2f_jax", "__init__.py")):  # notebooks/ of a checkout
         sys.path.insert(0, _root)
-    else:
-        get_ipython().run_line_magic("pip", 'install -q "d2f_jax @ git+{REPO}"')
+    else:  # the runtime's own accelerator picks the extra, so pip keeps (or fetches) the matching jax
+        import jax
+        _extra = {{"tpu": "tpu,eval", "gpu": "cuda12,eval"}}.get(jax.default_backend(), "eval")
+        get_ipython().run_line_magic("pip", f'install -q "d2f_jax[{{_extra}}] @ git+{REPO}"')
     import d2f_jax
 print("d2f_jax", d2f_jax.__version__, "from", os.path.dirname(d2f_jax.__file__))'''
 
