@@ -14,7 +14,7 @@ mkdir -p "$root"
 # The runtime set: requirements.txt down to (not including) the evaluation block, less its jax line.
 runtime="$(mktemp)"
 sed -n '/^# Evaluation/q;p' requirements.txt | grep -v '^jax\[' > "$runtime"
-echo "pytest>=8,<10" >> "$runtime"
+printf '%s\n' "pytest>=8,<10" "pytest-timeout>=2.3,<3" >> "$runtime"
 
 make_venv() {  # name, probe (python code that must run), pip requirements...
   local name="$1" probe="$2"; shift 2
@@ -29,9 +29,9 @@ make_venv() {  # name, probe (python code that must run), pip requirements...
   echo "accel venv $venv: installed"
 }
 
-make_venv tpu "import libtpu, jax; assert jax.__version__ == '$jax_version'" "jax[tpu]==$jax_version" &
+make_venv tpu "import libtpu, jax, pytest_timeout; assert jax.__version__ == '$jax_version'" "jax[tpu]==$jax_version" &
 tpu_pid=$!
-make_venv cuda "import jax_plugins.xla_cuda12, nvidia.cuda_nvcc, jax; assert jax.__version__ == '$jax_version'" \
+make_venv cuda "import jax_plugins.xla_cuda12, nvidia.cuda_nvcc, jax, pytest_timeout; assert jax.__version__ == '$jax_version'" \
   "jax==$jax_version" "jaxlib==$jax_version" "jax-cuda12-plugin==$jax_version" "jax-cuda12-pjrt==$jax_version" \
   "nvidia-cuda-nvcc-cu12" &
 cuda_pid=$!

@@ -23,3 +23,13 @@ def test_ci_runs_the_readme_test_command():
   ci = (ROOT / ".ci" / "run").read_text().splitlines()
   assert test_command in ci, f"{test_command!r} is not a line of .ci/run"
   assert any("pip install -q -r requirements.txt" in line for line in ci)
+
+
+def test_ci_runs_the_compile_tier_with_the_compilers_required():
+  """After the suite, both real compilers run tests/accel, and a missing compiler fails instead of skipping."""
+  ci = (ROOT / ".ci" / "run").read_text().splitlines()
+  suite = ci.index(_readme_commands()[1].split("&& ")[-1])
+  tier = [line for line in ci[suite + 1:] if "tests/accel" in line]
+  assert [line.split(" -m ")[-1].split()[0] for line in tier] == ["tpu", "cuda"], tier
+  assert all(line.startswith("D2F_ACCEL_REQUIRED=1 ") for line in tier)
+  assert any(line.startswith(".ci/accel_venvs.sh") for line in ci[suite + 1:])
