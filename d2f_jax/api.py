@@ -159,7 +159,8 @@ def load_tokenizer(path: str):
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
                allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
                rules=None) -> LoadedModel:
-  """Load a model from a Hugging Face directory (config.json + safetensors) or a converted directory.
+  """Load a model from a Hugging Face directory (config.json + safetensors), a converted directory, or a
+  Hub id ("GSAI-ML/LLaDA-8B-Instruct[@revision]") through the local Hugging Face cache (convert/source.py).
 
   dtype: storage and compute dtype ('bfloat16', 'float32'); default keeps the checkpoint's.
   lora_dir: a PEFT adapter directory, merged into the weights (`merge_lora`) or kept as separate LoRA
@@ -171,17 +172,9 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
   from d2f_jax.decode.mesh import as_decode_mesh
   from d2f_jax import convert
 
-  path = os.fspath(path)
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"model directory {path!r} does not exist")
-  lora_cfg = lora_params = None
-  if convert.is_converted_dir(path):
-    config, params, lora_cfg, lora_params = convert.restore_converted(path, dtype=dtype)
-  elif os.path.exists(os.path.join(path, "config.json")):
-    config, params = convert.load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
-  else:
-    raise FileNotFoundError(f"{path!r} holds neither a converted model (d2f_model.json) nor a Hugging Face "
-                            "checkpoint (config.json)")
+  path = convert.resolve_model_dir(path)
+  config, params, lora_cfg, lora_params = convert.load_params(path, dtype, allow_pickle=allow_pickle,
+                                                              progress=progress)
   if lora_dir is not None:
     if lora_cfg is not None:
       raise ValueError(f"{path!r} already carries a LoRA adapter; merge it before adding {lora_dir!r}")

@@ -101,16 +101,11 @@ def model_config(model_cfg, *, remat: bool = False) -> ModelConfig:
   overrides = model_cfg.get("overrides") or {}
   overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else overrides)
   if model_cfg.get("init", "path") == "path" and model_cfg.path:
-    path = os.fspath(model_cfg.path)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f"config.model.path={path!r} is not a directory")
-    if convert.is_converted_dir(path):
-      config, lora, _ = convert.read_converted_meta(path)
-      if lora is not None:
-        raise ValueError(f"config.model.path={path!r} carries a LoRA adapter; distil from a merged base "
-                         "(python -m d2f_jax.convert ... --merge)")
-    else:
-      config, _ = convert.read_hf_config(path)
+    path = convert.resolve_model_dir(model_cfg.path, what="config.model.path")
+    config, lora = convert.read_model_config(path)
+    if lora is not None:
+      raise ValueError(f"config.model.path={path!r} carries a LoRA adapter; distil from a merged base "
+                       "(python -m d2f_jax.convert ... --merge)")
     fixed = sorted(f for f in set(overrides) & set(SHAPE_FIELDS) if overrides[f] != getattr(config, f))
     if fixed:
       raise ValueError(f"config.model.overrides={overrides!r}: {fixed} are fixed by the checkpoint in model.path")
@@ -147,10 +142,11 @@ def load_base(models: DistillModels, path: str | None, seed: int, shardings: dic
       return nnx.to_pure_dict(nnx.state(Transformer(models.config, None, rngs=nnx.Rngs(seed)), nnx.Param))
     return jax.jit(init, out_shardings=shardings)()
   target = sharding.abstract_with(_pure_abstract(models.abstract_base()), shardings)
-  if convert.is_converted_dir(path):
-    _, params, _, _ = convert.restore_converted(path, target=target)
+  path = convert.resolve_model_dir(path, what="config.model.path")
+  if convert.checkpoint_kind(path) == "converted":  # orbax restores straight into the shardings
+    _, params, _, _ = convert.load_params(path, target=target)
     return jax.tree.map(lambda x, t: x.astype(t.dtype) if x.dtype != t.dtype else x, params, target)
-  _, params = convert.load_hf_params(path, dtype=dtype, progress=progress and jax.process_index() == 0)
+  _, params, _, _ = convert.load_params(path, dtype, progress=progress and jax.process_index() == 0)
   return sharding.host_to_global(params, shardings)
 
 

@@ -1,0 +1,82 @@
+"""Where a model comes from, decided in one place: a converted (orbax) directory, a Hugging Face directory,
+or a Hugging Face Hub id ("GSAI-ML/LLaDA-8B-Instruct", "org/name@revision") resolved to a snapshot of the
+Hub cache.
+
+Hub ids fetch only weights as safetensors, configs and tokenizer files (never `*.py` remote code, never
+pickles); `HF_HUB_OFFLINE=1` keeps to the local cache (`HF_HUB_CACHE`, default ~/.cache/huggingface/hub),
+which is how the tests and air-gapped pods use it. Everything that reads a model (load_model, the trainer,
+aot) goes through `resolve_model_dir`, `read_model_config` and `load_params`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from d2f_jax.convert.checkpoint import is_converted_dir, read_converted_meta, restore_converted
+from d2f_jax.convert.hf_config import read_hf_config
+from d2f_jax.convert.hf_import import load_hf_params
+from d2f_jax.models import LoraConfig, ModelConfig
+
+# owner/name[@revision]: the Hub's repo id rules (letters, digits, '-', '_', '.'), a revision without spaces.
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+SNAPSHOT_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+
+
+def hub_offline() -> bool:
+  return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model_dir(path_or_id, *, what: str = "model") -> str:
+  """A local directory for `path_or_id`: the directory itself, or the Hub cache snapshot of a Hub id.
+
+  what: how errors name the input ('model', 'config.model.path', '--model')."""
+  text = os.fspath(path_or_id)
+  if os.path.isdir(text):
+    return text
+  if os.path.exists(text):
+    raise FileNotFoundError(f"{what} {text!r} is a file, not a model directory")
+  match = HUB_ID.match(text)
+  if match is None or text.startswith((".", "~")):
+    raise FileNotFoundError(f"{what} directory {text!r} does not exist")
+  from huggingface_hub import snapshot_download  # a transformers dependency; only for Hub ids
+  offline = hub_offline()
+  try:
+    return snapshot_download(match["repo"], revision=match["revision"], allow_patterns=list(SNAPSHOT_FILES),
+                             cache_dir=os.environ.get("HF_HUB_CACHE") or None, local_files_only=offline)
+  except Exception as e:  # not cached offline, unknown repo, no network: one message naming the id
+    where = ("in the local Hugging Face cache (HF_HUB_OFFLINE is set; HF_HUB_CACHE="
+             f"{os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')})" if offline else "on the Hub")
+    raise FileNotFoundError(f"{what} directory {text!r} does not exist, and as a Hugging Face Hub id it was not "
+                            f"found {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def checkpoint_kind(path: str) -> str:
+  """'converted' (d2f_model.json) or 'hf' (config.json); an error naming the directory otherwise."""
+  if is_converted_dir(path):
+    return "converted"
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return "hf"
+  raise FileNotFoundError(f"{path!r} holds neither a converted model (d2f_model.json) nor a Hugging Face "
+                          "checkpoint (config.json)")
+
+
+def read_model_config(path: str) -> tuple[ModelConfig, LoraConfig | None]:
+  """(config, LoRA config or None) of a resolved model directory, without reading any weights."""
+  if checkpoint_kind(path) == "converted":
+    config, lora, _ = read_converted_meta(path)
+    return config, lora
+  return read_hf_config(path)[0], None
+
+
+def load_params(path: str, dtype=None, *, target: Any = None, allow_pickle: bool = False, progress: bool = False
+                ) -> tuple[ModelConfig, Any, LoraConfig | None, Any]:
+  """(config, params, LoRA config, LoRA params) of a resolved model directory.
+
+  target: for a converted directory, the abstract tree with shardings that orbax restores straight into;
+  an HF checkpoint is streamed to host numpy arrays (the caller places them)."""
+  if checkpoint_kind(path) == "converted":
+    return restore_converted(path, dtype=dtype, target=target)
+  config, params = load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+  return config, params, None, None
