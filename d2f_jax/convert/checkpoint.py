@@ -25,6 +25,7 @@ from orbax.checkpoint import type_handlers
 from d2f_jax.convert import mapping
 from d2f_jax.convert.errors import CheckpointError, ConvertError, one_line
 from d2f_jax.convert.mapping import check_params
+from d2f_jax.convert.model_card import CARD_FILE, converted_card
 from d2f_jax.convert.lora import split_lora
 from d2f_jax.convert.util import as_numpy_dtype, atomic_dir, copy_aux_files
 from d2f_jax.convert.validate import (ConfigError, lora_config_from_dict, model_config_from_dict, read_json_object,
@@ -145,6 +146,8 @@ def save_converted(out_dir, config: ModelConfig, params: dict, *, lora_cfg: Lora
     with open(os.path.join(tmp, META_FILE), "w") as f:
       json.dump(meta, f, indent=2)
       f.write("\n")
+    with open(os.path.join(tmp, CARD_FILE), "w") as f:
+      f.write(converted_card(config, lora_cfg, os.fspath(source_dir) if source_dir else None))
   return os.fspath(out_dir)
 
 

@@ -18,6 +18,7 @@ from d2f_jax.convert import mapping
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.hf_config import check_same_shapes, hf_config_from_model
 from d2f_jax.convert.safetensors_io import TensorSpec, write_sharded
+from d2f_jax.convert.model_card import CARD_FILE, hf_card
 from d2f_jax.convert.util import as_numpy_dtype, assign, atomic_dir, copy_aux_files
 from d2f_jax.models.config import ModelConfig
 
@@ -97,4 +98,6 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
       json.dump(hf_cfg, f, indent=2)
       f.write("\n")
     copy_aux_files(aux_dir, tmp)
+    with open(os.path.join(tmp, CARD_FILE), "w") as f:
+      f.write(hf_card(config, os.fspath(aux_dir) if aux_dir else None, hf_cfg.get("d2f_attention")))
   return os.fspath(out_dir)

@@ -21,6 +21,7 @@ from d2f_jax.convert.hf_import import checkpoint_dtype, copy_tensor, is_float_dt
 from d2f_jax.convert.pickle_io import PickleReader
 from d2f_jax.convert.safetensors_io import CheckpointReader, TensorSpec, write_file
 from d2f_jax.convert.util import as_numpy_dtype, atomic_dir
+from d2f_jax.convert.model_card import CARD_FILE, adapter_card
 from d2f_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -252,4 +253,6 @@ def export_peft_adapter(out_dir, config: ModelConfig, lora: LoraConfig, lora_par
     with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
       json.dump(peft_adapter_config(config, lora, base_model_name_or_path), f, indent=2)
       f.write("\n")
+    with open(os.path.join(tmp, CARD_FILE), "w") as f:
+      f.write(adapter_card(config, lora, base_model_name_or_path))
   return os.fspath(out_dir)
