@@ -9,27 +9,8 @@ teacher and student alike (it is part of the model config).
 Dream has 4 KV heads: with tensor > 4 the KV projections stay replicated on the extra ways.
 """
 
-from d2f_jax.train.config import apply_hardware, base_config, parse_arg
+from d2f_jax.train.recipes import d2f_lora_recipe
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, positional="hw", hw="gpu_8xa100", runlocal=False)
-  c = base_config()
-  c.model.dtype = "bfloat16"
-  c.finetune = "lora"
-  c.lora.update(dict(rank=32, alpha=32.0, dropout=0.1, targets=("q", "k", "v", "o")))
-  c.block_size = 16
-  c.remat = True  # recompute layers in the backward pass: the AOT check needs it to fit 1024-token rows
-  c.data.seq_len = 1024
-  c.loss_chunk = 256  # 152k-vocab logits in 256-row chunks
-  c.optim.lr = 5e-6
-  c.total_steps = 10_000
-  c.checkpoint.update(dict(every=500, keep=3))
-  apply_hardware(c, arg.hw)
-  if arg.runlocal:
-    c.model.preset, c.model.synthetic, c.model.dtype = "tiny-dream", True, "float32"
-    c.data.seq_len, c.loss_chunk, c.data.eval_examples = 128, 32, 16
-    c.total_steps, c.log_every, c.eval_every = 4, 1, 4
-    c.checkpoint.every = 2
-    apply_hardware(c, "cpu")
-  return c
+  return d2f_lora_recipe(arg, family="dream", lr=5e-6)
