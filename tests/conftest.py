@@ -4,7 +4,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the Hub; test_hub.py builds its own cache
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing here may reach the Hub; test_hub.py builds its own cache
 
 import jax  # noqa: E402
 

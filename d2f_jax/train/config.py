@@ -80,7 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss_chunk = 0  # sequence rows per logits chunk (0: whole sequence); bounds the [B, T, V] fp32 buffers
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "jsonl"  # see d2f_jax.train.data.SOURCES
+  c.data.source = "jsonl"  # jsonl, npz, tfds or hf_datasets (train/data.py, train/data_sources.py)
   c.data.path = config_dict.placeholder(str)
   c.data.eval_path = config_dict.placeholder(str)  # default: hold out the last `eval_examples` of `path`
   c.data.eval_examples = 256

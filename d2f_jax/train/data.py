@@ -115,7 +115,17 @@ def npz_source(path: str, data_cfg, **_) -> Examples:
   return examples
 
 
-SOURCES: dict[str, Callable[..., Examples]] = {"jsonl": jsonl_source, "npz": npz_source}
+def _ecosystem(name: str) -> Callable[..., Examples]:
+  """A source from train/data_sources.py, imported when used (tfds and datasets are heavy)."""
+  def read(*args, **kwargs) -> Examples:
+    from d2f_jax.train import data_sources
+    return getattr(data_sources, name)(*args, **kwargs)
+  return read
+
+
+SOURCES: dict[str, Callable[..., Examples]] = {"jsonl": jsonl_source, "npz": npz_source,
+                                               "tfds": _ecosystem("tfds_source"),
+                                               "hf_datasets": _ecosystem("hf_datasets_source")}
 
 
 def register_source(name: str, fn: Callable[..., Examples]) -> None:
