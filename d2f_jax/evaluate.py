@@ -17,6 +17,7 @@ import time
 
 from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags, setup_devices
 from d2f_jax.evals.runner import TASKS, WARMUPS
+from d2f_jax.usage import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +57,7 @@ def make_task(args):
   from d2f_jax.evals.runner import make_task as by_name
   if args.task == "arithmetic":  # the main job's held-out set (d2f_jax.tasks.arithmetic defaults)
     if args.data:
-      raise SystemExit("--data is not used by --task arithmetic: its problems come from the task's generator")
+      raise UsageError("--data is not used by --task arithmetic: its problems come from the task's generator")
     return by_name("arithmetic")
   if args.task == "gsm8k":
     return by_name("gsm8k", path=args.data, n_shot=args.n_shot, fewshot_path=args.fewshot_data,
@@ -65,21 +66,21 @@ def make_task(args):
   try:
     sandbox = Sandbox(isolation=args.isolation, timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
   except (ValueError, BubblewrapUnavailable) as e:
-    raise SystemExit(f"bad execution option: {e}") from e
+    raise UsageError(f"bad execution option: {e}") from e
   return by_name("humaneval", path=args.data, sandbox=sandbox, workers=args.exec_workers)
 
 
 def main(argv: list[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.limit is not None and args.limit < 1:
-    raise SystemExit(f"--limit must be a positive int, got {args.limit}")
+    raise UsageError(f"--limit must be a positive int, got {args.limit}")
   config = decode_config_from_flags(args)
   mesh = setup_devices(args, local=True)  # before any other JAX call (jax.distributed)
   task = make_task(args)
   try:  # read the benchmark before the (slow) model load, so a bad file fails at once
     task.load(args.limit)
   except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"cannot read the {args.task} data: {e}") from e
+    raise UsageError(f"cannot read the {args.task} data: {e}") from e
   out = args.out or f"results/evals/{args.task}_{args.method}_{time.strftime('%Y%m%d_%H%M%S')}"
 
   import d2f_jax
@@ -91,9 +92,13 @@ def main(argv: list[str] | None = None) -> dict:
   try:
     check_method_fits(model.config, config, model_attention(model))
   except ValueError as e:
-    raise SystemExit(f"--method {args.method} does not fit {args.model}: {e}") from e
-  results = run_benchmark(model, task, config, batch_size=args.batch_size, limit=args.limit, chat=args.chat,
-                          add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
+    raise UsageError(f"--method {args.method} does not fit {args.model}: {e}") from e
+  from d2f_jax.decode.limits import DecodeInputError
+  try:
+    results = run_benchmark(model, task, config, batch_size=args.batch_size, limit=args.limit, chat=args.chat,
+                            add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
+  except DecodeInputError as e:  # a problem's prompt too long for the model, the cache past the memory budget
+    raise UsageError(f"{args.task} on {args.model}: {e}") from None
   if "files" in results:  # process 0
     print(f"wrote {results['files']['results']} and {results['files']['samples']}", file=sys.stderr)
   return results

@@ -15,6 +15,7 @@ import time
 from d2f_jax.decode import generate, stream
 from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags
 from d2f_jax.decode.limits import DecodeInputError
+from d2f_jax.usage import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +43,7 @@ def _prompt_ids(model, args) -> list[int]:
     return [int(t) for t in pieces]
   tok = model.tokenizer
   if tok is None:
-    raise SystemExit(f"{args.model!r} has no tokenizer; pass --prompt_ids instead of --prompt")
+    raise UsageError(f"{args.model!r} has no tokenizer; pass --prompt_ids instead of --prompt")
   if args.chat:
     if getattr(tok, "chat_template", None):
       return list(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -67,20 +68,19 @@ def main(argv: list[str] | None = None) -> dict:
   import d2f_jax
 
   if jax.process_count() > 1 and not args.no_stream:
-    raise SystemExit("streaming reads the state on one process; pass --no_stream with several processes")
+    raise UsageError("streaming reads the state on one process; pass --no_stream with several processes")
   model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
   from d2f_jax.decode.config import check_method_fits, model_attention
   try:
     check_method_fits(model.config, config, model_attention(model))
   except ValueError as e:
-    raise SystemExit(f"--method {args.method} does not fit {args.model}: {e}") from e
+    raise UsageError(f"--method {args.method} does not fit {args.model}: {e}") from e
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   key = jax.random.key(args.seed)
   try:
     return _decode(model, _prompt_ids(model, args), config, key, args, mesh, say)
   except DecodeInputError as e:  # ids, positions or memory: named, before anything compiled
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    raise UsageError(str(e)) from None
 
 
 def _decode(model, prompt, config, key, args, mesh, say) -> dict:

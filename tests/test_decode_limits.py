@@ -89,3 +89,20 @@ def test_generate_cli_refuses_bad_requests_in_one_line(tmp_path, capsys):
     assert err[-1].startswith("error: ") and match in err[-1], err
   stats = cli.main(base + ["--prompt_ids", "1, 2,3", "--max_new_tokens", "8"])  # spaces are fine
   assert stats["prompt_tokens"] == 3
+
+
+def test_every_refused_decode_option_is_one_error_line_and_status_2(tmp_path, capsys):
+  from d2f_jax import evaluate, generate as cli
+  from d2f_jax.convert.synthetic import write_hf_checkpoint
+  path = str(write_hf_checkpoint(tmp_path / "hf", TINY_LLADA, seed=0, dtype="float32"))
+  for main, argv, match in (
+      (cli.main, ["--model", path, "--prompt_ids", "1", "--block_size", "3"], "bad decoding option"),
+      (cli.main, ["--model", path, "--prompt_ids", "1", "--stop_tokens", "a"], "--stop_tokens must be"),
+      (cli.main, ["--model", path, "--prompt_ids", "1", "--mesh", "model=2"], "--mesh 'model=2'"),
+      (evaluate.main, ["--model", path, "--task", "gsm8k", "--limit", "0"], "--limit must be a positive int"),
+      (evaluate.main, ["--model", path, "--task", "arithmetic", "--method", "ar", "--limit", "1"], "does not fit")):
+    with pytest.raises(SystemExit) as stop:
+      main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and match in str(stop.value), (argv, str(stop.value))
+    assert err[-1] == f"error: {stop.value}", err

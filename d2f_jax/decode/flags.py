@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig
+from d2f_jax.usage import UsageError
 
 _DEFAULTS = DecodeConfig()
 
@@ -39,7 +40,7 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
     try:
       stops = () if text == "none" else tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError as e:
-      raise SystemExit(f"--stop_tokens must be comma-separated ints or 'none', got {args.stop_tokens!r}") from e
+      raise UsageError(f"--stop_tokens must be comma-separated ints or 'none', got {args.stop_tokens!r}") from e
   try:
     return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
@@ -47,7 +48,7 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib)
   except ValueError as e:
-    raise SystemExit(f"bad decoding option: {e}") from e
+    raise UsageError(f"bad decoding option: {e}") from e
 
 
 ATTENTION_CHOICES = ("auto", "xla", "pallas")
@@ -99,11 +100,11 @@ def setup_devices(args: argparse.Namespace, *, local: bool = False):
   try:
     sizes = parse_mesh(args.mesh) if args.mesh else None
   except ValueError as e:
-    raise SystemExit(str(e)) from e
+    raise UsageError(str(e)) from e
   try:
     sharding.maybe_initialize_distributed(args.distributed)
   except RuntimeError as e:
-    raise SystemExit(f"--distributed {args.distributed}: jax.distributed.initialize() failed: {e}") from e
+    raise UsageError(f"--distributed {args.distributed}: jax.distributed.initialize() failed: {e}") from e
   if sizes is None:
     return None
   import jax
@@ -111,4 +112,4 @@ def setup_devices(args: argparse.Namespace, *, local: bool = False):
   try:
     return sharding.make_mesh(sizes, devices)
   except ValueError as e:
-    raise SystemExit(f"--mesh {args.mesh}: {e}") from e
+    raise UsageError(f"--mesh {args.mesh}: {e}") from e
