@@ -48,7 +48,7 @@ def test_tokenizer_round_trips_every_problem():
   assert tok.eos_token_id == ids["eos_token_id"] == ids["pad_token_id"]
   unk = tok.convert_tokens_to_ids(tokenizer.UNK)
   for p in arithmetic.make_problems(300, seed=1):
-    for text in (tokenizer.prompt_text(p.question), p.solution):
+    for text in (arithmetic.prompt_text(p.question), p.solution):
       encoded = tok(text, add_special_tokens=False)["input_ids"]
       assert unk not in encoded
       assert tok.decode(encoded) == text
@@ -61,7 +61,7 @@ def test_encode_rows_pads_with_eos_and_refuses_overflow():
   eos = tokenizer.special_ids()["eos_token_id"]
   tok = tokenizer.build_tokenizer()
   for row, n, p in zip(tokens, prompt_len, problems):
-    assert tok.decode(row[:n]) == tokenizer.prompt_text(p.question)
+    assert tok.decode(row[:n]) == arithmetic.prompt_text(p.question)
     text = tok.decode([t for t in row[n:] if t != eos])
     assert text == p.solution and row[-1] == eos
   with pytest.raises(ValueError, match="raise data.seq_len"):

@@ -29,7 +29,7 @@ def encode_rows(problems: list[arithmetic.Problem], seq_len: int) -> tuple[np.nd
   tokens = np.full((len(problems), seq_len), eos, np.int32)
   prompt_len = np.zeros((len(problems),), np.int32)
   for i, problem in enumerate(problems):
-    prompt = tok(tokenizer.prompt_text(problem.question), add_special_tokens=False)["input_ids"]
+    prompt = tok(arithmetic.prompt_text(problem.question), add_special_tokens=False)["input_ids"]
     answer = tok(" " + problem.solution, add_special_tokens=False)["input_ids"]
     row = prompt + answer + [eos]
     if len(row) > seq_len:

@@ -120,7 +120,6 @@ class ArithmeticTask:
   metric = "exact_match"
 
   def load(self, limit: int | None = None) -> list[dict]:
-    from d2f_jax.tasks.tokenizer import prompt_text
     held_out = _held_out(self.seed, self.train, self.test, self.min_steps, self.max_steps)
     return [{"id": f"arithmetic/{i}", "prompt": prompt_text(p.question), "target": p.answer}
             for i, p in enumerate(held_out[:limit])]
@@ -135,3 +134,9 @@ class ArithmeticTask:
 
   def options(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def prompt_text(question: str) -> str:
+  """The miniature's prompt format. No colons: the WordPiece decoder's clean-up rejoins " ." and " ?" but
+  not " :", and prompts must decode back to exactly this text."""
+  return f"Question {question} Answer"

@@ -40,9 +40,3 @@ def special_ids() -> dict[str, int]:
   vocab = vocabulary()
   return {"mask_token_id": vocab[MASK], "eos_token_id": vocab[EOS], "pad_token_id": vocab[EOS],
           "bos_token_id": vocab[BOS], "eot_token_id": vocab[EOT]}
-
-
-def prompt_text(question: str) -> str:
-  # No colons: the WordPiece decoder's clean-up rejoins " ." and " ?" but not " :", and prompts must
-  # decode back to exactly this text.
-  return f"Question {question} Answer"

@@ -20,7 +20,6 @@ import ml_collections
 from ml_collections import config_dict
 
 MESH_AXES = ("data", "fsdp", "tensor")
-OBJECTIVES = ("distill", "mdm", "ar")
 MODEL_INITS = ("path", "random")
 
 # maxtext-style rules: logical axis -> mesh axes (tried in order; a mesh axis is used once per array, and a
@@ -54,7 +53,7 @@ HARDWARE = {
 def base_config() -> ml_collections.ConfigDict:
   """Defaults shared by every model: the paper's distillation recipe with LoRA on q, k, v, o."""
   c = ml_collections.ConfigDict()
-  c.objective = "distill"  # one of OBJECTIVES
+  c.objective = "distill"  # a key of d2f_jax.train.objectives.OBJECTIVES: distill, mdm or ar
   c.seed = 0
   c.total_steps = 10_000
   c.batch_size = 32  # global sequences per optimizer step
@@ -163,8 +162,9 @@ def _require(ok: bool, field: str, value, why: str) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raise ValueError naming the first bad field."""
+  from d2f_jax.train.objectives import OBJECTIVES  # the one table of objectives
   objective = c.get("objective", "distill")
-  _require(objective in OBJECTIVES, "objective", objective, f"must be one of {OBJECTIVES}")
+  _require(objective in OBJECTIVES, "objective", objective, f"must be one of {tuple(OBJECTIVES)}")
   _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   _require(c.batch_size > 0, "batch_size", c.batch_size, "must be positive")
   _require(c.micro_batches > 0 and c.batch_size % c.micro_batches == 0, "micro_batches", c.micro_batches,

@@ -150,9 +150,6 @@ def load_base(models: DistillModels, path: str | None, seed: int, shardings: dic
   return sharding.host_to_global(params, shardings)
 
 
-load_frozen = load_base  # the distillation name: there the base is the frozen teacher
-
-
 def init_trainable(models: DistillModels, base: dict | None, seed: int) -> dict:
   """Fresh trainable parameters (traced; call inside jit): PEFT-style LoRA (B = 0, so the student starts as
   the teacher), a `train_dtype` copy of the base, or (full fine-tune, base None) a random init drawn
