@@ -32,7 +32,7 @@ def main(argv) -> None:
   from d2f_jax.e2e import pipeline
   payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
   from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows
-  from d2f_jax.bench.report import format_table
+  from d2f_jax.reporting import format_table
   print(format_table(table_rows(payload["rows"]), TABLE_COLUMNS))
   print(f"results in {os.path.abspath(_WORKDIR.value)} (results.md, results.json, *.png; models in */hf)")
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2f_jax.bench.report import write_report
+from d2f_jax.reporting import write_report
 from d2f_jax.kernels import flash_attention, window_attention, window_attention_reference
 from d2f_jax.models.attention import PAD_ID, attention_ids, attention_reference
 from d2f_jax.train.metrics import measure_matmul_flops

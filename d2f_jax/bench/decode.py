@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from d2f_jax.bench.report import format_table, write_report
+from d2f_jax.reporting import format_table, write_report
 from d2f_jax.decode import DecodeConfig, DecodeModel, generate, generate_stepwise
 from d2f_jax.models import Transformer, preset
 

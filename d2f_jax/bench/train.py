@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from d2f_jax.bench.report import write_report
+from d2f_jax.reporting import write_report
 from d2f_jax.train.config import load_config_file
 from d2f_jax.train.metrics import PEAK_FLOPS, measure_matmul_flops
 from d2f_jax.train.step import compiled_train_step

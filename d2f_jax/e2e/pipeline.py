@@ -24,7 +24,7 @@ from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.decode.config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
 from d2f_jax.e2e import evaluation, report
-from d2f_jax.evals.data import write_json
+from d2f_jax.reporting import write_json
 from d2f_jax.evals.runner import encode_prompts
 from d2f_jax.tasks import tokenizer as tokenizer_lib
 from d2f_jax.tasks.arithmetic import ArithmeticTask

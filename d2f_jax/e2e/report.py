@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from d2f_jax.bench.report import environment, format_table
+from d2f_jax.reporting import environment, format_table
 from d2f_jax.e2e import projection
-from d2f_jax.evals.data import write_json
+from d2f_jax.reporting import write_json
 
 # (column title, row key, format)
 TABLE = [("method", "method", "{}"), ("model", "model", "{}"), ("settings", "settings", "{}"),

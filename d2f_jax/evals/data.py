@@ -65,22 +65,3 @@ def read_jsonl(path, required: Iterable[str] = (), *, limit: int | None = None) 
   if not rows:
     raise ValueError(f"{path}: holds no records")
   return rows
-
-
-def write_jsonl(path, rows: Iterable[dict]) -> None:
-  """Write rows atomically (a crash never leaves half a samples file that looks complete)."""
-  path = os.fspath(path)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for row in rows:
-      f.write(json.dumps(row, ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
-
-
-def write_json(path, payload: dict) -> None:
-  path = os.fspath(path)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(payload, f, indent=2, ensure_ascii=False)
-    f.write("\n")
-  os.replace(tmp, path)

@@ -24,7 +24,7 @@ import numpy as np
 
 from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.decode.config import check_method_fits, model_attention
-from d2f_jax.evals.data import write_json, write_jsonl
+from d2f_jax.reporting import write_json, write_jsonl
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
 from d2f_jax.evals.processes import Processes, assign_batches, jax_processes, merge_shares
@@ -191,7 +191,7 @@ def _mesh_shape(model) -> dict | None:
 def summarize(model, task, config: DecodeConfig, samples: list[dict], batch_seconds: list[float], *,
               warmup: dict, **settings) -> dict:
   """The results.json payload: score, speed, and every setting needed to reproduce the run."""
-  from d2f_jax.bench.report import environment  # jax device facts, shared with the benchmarks
+  from d2f_jax.reporting import environment  # jax device facts, shared with the benchmarks
 
   total = len(samples)
   correct = sum(bool(s["correct"]) for s in samples)

@@ -1,14 +1,33 @@
-"""Shared output of every benchmark: an aligned text table on stdout and a JSON file."""
+"""What every report of this project writes, on the ground floor so evals, bench and e2e share it without
+importing each other: the measuring environment, an aligned text table, atomic JSON / JSONL files."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
+from typing import Iterable
 
 import jax
 
-from d2f_jax.evals.data import write_json
+def write_jsonl(path, rows: Iterable[dict]) -> None:
+  """Write rows atomically (a crash never leaves half a samples file that looks complete)."""
+  path = os.fspath(path)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(row, ensure_ascii=False) + "\n")
+  os.replace(tmp, path)
+
+
+def write_json(path, payload: dict) -> None:
+  path = os.fspath(path)
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(payload, f, indent=2, ensure_ascii=False)
+    f.write("\n")
+  os.replace(tmp, path)
 
 
 def environment() -> dict:
