@@ -20,34 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from d2f_jax.decode.runner import DecodeModel
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, logits_for_mode
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-@dataclasses.dataclass
-class LoadedModel:
-  config: ModelConfig
-  graphdef: Any  # nnx.GraphDef: static, hashable
-  state: Any  # nnx.State: parameters (and LoRA parameters, when kept separate)
-  tokenizer: Any = None
-  lora: LoraConfig | None = None
-  source: str = ""
-  placement: Any = None  # decode.DecodeMesh the state lives on (None: one device)
-
-  @property
-  def mesh(self):
-    return None if self.placement is None else self.placement.mesh
-
-  def shard(self, mesh, rules=None) -> "LoadedModel":
-    """A copy with the weights in the logical `rules`' shardings on `mesh` (default rules: training's)."""
-    from d2f_jax.decode.runner import shard_model
-    return shard_model(self, mesh, rules)
-
-  def with_attention(self, impl: str) -> "LoadedModel":
-    """A copy whose attention runs as `impl` ('auto', 'xla', 'pallas', 'interpret_gpu', 'interpret_tpu')."""
-    from d2f_jax.decode.runner import with_attention
-    return with_attention(self, impl)
+@dataclasses.dataclass(frozen=True)
+class LoadedModel(DecodeModel):
+  """A DecodeModel loaded from a checkpoint, with the user-facing helpers: logits under any attention mode,
+  and text <-> ids through its tokenizer."""
 
   @property
   def module(self) -> Transformer:

@@ -41,21 +41,16 @@ def _prompt_ids(model, args) -> list[int]:
     if not all(t.lstrip("-").isdigit() for t in pieces):  # an empty piece ("1,,2") is an error, not skipped
       raise DecodeInputError(f"--prompt_ids must be comma-separated integers, got {args.prompt_ids!r}")
     return [int(t) for t in pieces]
-  tok = model.tokenizer
-  if tok is None:
+  if model.tokenizer is None:
     raise UsageError(f"{args.model!r} has no tokenizer; pass --prompt_ids instead of --prompt")
-  if args.chat:
-    if getattr(tok, "chat_template", None):
-      return list(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
+  if args.chat and not getattr(model.tokenizer, "chat_template", None):
     print("warning: the tokenizer has no chat template; using the raw prompt", file=sys.stderr)
-  return list(tok(args.prompt, add_special_tokens=False)["input_ids"])
+    return model.encode(args.prompt)
+  return model.encode(args.prompt, chat=args.chat)
 
 
 def _text(model, ids) -> str:
-  if model.tokenizer is None:
-    return " ".join(map(str, ids))
-  return model.tokenizer.decode(list(ids), skip_special_tokens=True)
+  return " ".join(map(str, ids)) if model.tokenizer is None else model.decode(ids)
 
 
 def main(argv: list[str] | None = None) -> dict:

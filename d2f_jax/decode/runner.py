@@ -49,27 +49,39 @@ def trace_count(name: str | None = None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeModel:
-  """The minimum `generate` needs: a config, the static graph and the parameter state (and, once
-  `shard`ed, the mesh the state lives on)."""
+  """The model handle every decoder takes: a config, the static graph and the parameter state, with the
+  tokenizer, the separate LoRA config, the directory it came from and (once `shard`ed) the mesh the state
+  lives on. `d2f_jax.load_model` returns its subclass LoadedModel (adds logits / encode / decode)."""
 
   config: ModelConfig
-  graphdef: Any
-  state: Any
+  graphdef: Any  # nnx.GraphDef: static, hashable
+  state: Any  # nnx.State: parameters (and LoRA parameters, when kept separate)
   tokenizer: Any = None
   placement: DecodeMesh | None = None
+  lora: Any = None  # LoraConfig when the LoRA parameters are kept separate
+  source: str = ""  # the directory it was loaded from ("" when built in memory)
 
   @classmethod
   def from_module(cls, module: nnx.Module, tokenizer=None) -> "DecodeModel":
     graphdef, state = nnx.split(module)
-    return cls(config=module.config, graphdef=graphdef, state=state, tokenizer=tokenizer)
+    return cls(config=module.config, graphdef=graphdef, state=state, tokenizer=tokenizer,
+               lora=getattr(module, "lora", None))
+
+  @property
+  def mesh(self):
+    return None if self.placement is None else self.placement.mesh
 
   def shard(self, mesh, rules=None) -> "DecodeModel":
-    """This model with its weights in the rules' shardings on `mesh` (default rules: training's)."""
+    """A copy with its weights in the logical `rules`' shardings on `mesh` (default rules: training's)."""
     return shard_model(self, mesh, rules)
+
+  def with_attention(self, impl: str) -> "DecodeModel":
+    """A copy whose attention runs as `impl` ('auto', 'xla', 'pallas', 'interpret_gpu', 'interpret_tpu')."""
+    return with_attention(self, impl)
 
 
 def shard_model(model, mesh, rules=None):
-  """A copy of `model` (a dataclass with .state, e.g. LoadedModel / DecodeModel) placed on `mesh`."""
+  """A copy of `model` (a DecodeModel or LoadedModel) placed on `mesh`."""
   placement = as_decode_mesh(mesh, rules)
   state = model.state if placement is None else place_state(model.state, placement)
   return dataclasses.replace(model, state=state, placement=placement)
