@@ -174,3 +174,16 @@ def finish_ar(state: ARState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
   width = state.tokens.shape[1] - spec.max_new_tokens
   return make_result(state.tokens[:, width:], state.trace, knobs.stop_ids, spec.model.pad_token_id,
                      state.forwards)
+
+
+def settled_full(state: FullState, spec: DecodeSpec) -> list[int]:
+  """Row 0's decoded response prefix (no mask before it), on the host."""
+  response = np.asarray(state.tokens[0, state.tokens.shape[1] - spec.max_new_tokens:])
+  masked = response == spec.model.mask_token_id
+  return response[:int(np.argmax(masked)) if masked.any() else response.size].tolist()
+
+
+def settled_ar(state: ARState, spec: DecodeSpec) -> list[int]:
+  """Row 0's first `t` response tokens, on the host."""
+  width = state.tokens.shape[1] - spec.max_new_tokens
+  return np.asarray(state.tokens[0, width:width + int(state.t)]).tolist()

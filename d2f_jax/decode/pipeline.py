@@ -24,6 +24,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.result import DecodeResult, make_result
@@ -262,3 +263,11 @@ def finish(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
                      state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
                      max_accepted=state.max_accepted, in_flight_sum=state.in_flight_sum,
                      window_sum=state.window_sum)
+
+
+def settled(state: D2FState, spec: DecodeSpec) -> list[int]:
+  """Row 0's response prefix that is decoded (no mask before it), read on the host: what `stream` shows."""
+  width = _prompt_width(state, spec)
+  response = np.asarray(state.tokens[0, width:width + spec.max_new_tokens])
+  masked = response == spec.model.mask_token_id
+  return response[:int(np.argmax(masked)) if masked.any() else response.size].tolist()

@@ -31,12 +31,24 @@ from d2f_jax.decode.result import DecodeResult
 from d2f_jax.models import ModelConfig, Transformer
 from d2f_jax.models.sharding_hints import MeshLayout, mesh_layout
 
-# method -> (init, step, running, finish)
-_ALGORITHMS = {
-    "d2f": (pipeline.init, pipeline.step, pipeline.running, pipeline.finish),
-    "vanilla": (baselines.init_full, baselines.step_full, baselines.running_full, baselines.finish_full),
-    "dream_vanilla": (baselines.init_full, baselines.step_full, baselines.running_full, baselines.finish_full),
-    "ar": (baselines.init_ar, baselines.step_ar, baselines.running_ar, baselines.finish_ar),
+class Algorithm(NamedTuple):
+  """A decoder as the runner drives it: traced init / step / running / finish, and `settled` (host side:
+  row 0's response ids decoded so far, for streaming)."""
+  init: Callable
+  step: Callable
+  running: Callable
+  finish: Callable
+  settled: Callable
+
+
+_FULL = Algorithm(baselines.init_full, baselines.step_full, baselines.running_full, baselines.finish_full,
+                  baselines.settled_full)
+_ALGORITHMS = {  # by DecodeSpec.method ('threshold' resolves to d2f)
+    "d2f": Algorithm(pipeline.init, pipeline.step, pipeline.running, pipeline.finish, pipeline.settled),
+    "vanilla": _FULL,
+    "dream_vanilla": _FULL,
+    "ar": Algorithm(baselines.init_ar, baselines.step_ar, baselines.running_ar, baselines.finish_ar,
+                    baselines.settled_ar),
 }
 
 _TRACES: collections.Counter = collections.Counter()
@@ -101,7 +113,7 @@ def with_attention(model, impl: str):
 def _decode(graphdef, params, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec,
             layout: MeshLayout | None) -> DecodeResult:
   """init + while_loop + finish, traced in `layout` with the loop state pinned to it every step."""
-  init, step, running, finish = _ALGORITHMS[spec.method]
+  init, step, running, finish, _ = _ALGORITHMS[spec.method]
   pin = functools.partial(constrain_loop_state, layout=layout, batch=prompt.shape[0])
   with mesh_layout(layout):
     model = nnx.merge(graphdef, params)
@@ -120,7 +132,7 @@ def _run_loop(graphdef, params, prompt, prompt_len, key, knobs: Knobs, *, spec: 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"))
 def _init(graphdef, params, prompt, prompt_len, key, knobs, *, spec, layout=None):
   _TRACES["init"] += 1
-  init, _, running, _ = _ALGORITHMS[spec.method]
+  init, running = _ALGORITHMS[spec.method].init, _ALGORITHMS[spec.method].running
   with mesh_layout(layout):
     state = init(nnx.merge(graphdef, params), prompt, prompt_len, key, knobs, spec)
     state = constrain_loop_state(state, layout, prompt.shape[0])
@@ -130,7 +142,7 @@ def _init(graphdef, params, prompt, prompt_len, key, knobs, *, spec, layout=None
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"))
 def _step(graphdef, params, state, knobs, *, spec, layout=None):
   _TRACES["step"] += 1
-  _, step, running, _ = _ALGORITHMS[spec.method]
+  step, running = _ALGORITHMS[spec.method].step, _ALGORITHMS[spec.method].running
   with mesh_layout(layout):
     state = step(nnx.merge(graphdef, params), state, knobs, spec)
     state = constrain_loop_state(state, layout, state.prompt_len.shape[0])
@@ -139,7 +151,7 @@ def _step(graphdef, params, state, knobs, *, spec, layout=None):
 
 @functools.partial(jax.jit, static_argnames=("spec", "layout"))
 def _finish(state, knobs, *, spec, layout=None):
-  return replicate(_ALGORITHMS[spec.method][3](state, knobs, spec), layout)
+  return replicate(_ALGORITHMS[spec.method].finish(state, knobs, spec), layout)
 
 
 def pack_prompts(prompts, config: DecodeConfig, model_config: ModelConfig, mask=None):
@@ -253,13 +265,7 @@ def stream(model, prompt_ids: Sequence[int], config: DecodeConfig, *, key=None, 
     spec = p.spec
     if stops is None:
       stops = set(np.asarray(p.knobs.stop_ids).tolist()) - {-1}
-    width = state.tokens.shape[1] - spec.max_new_tokens - (spec.window if spec.method == "d2f" else 0)
-    response = np.asarray(state.tokens[0, width:width + spec.max_new_tokens])
-    settled = response != spec.model.mask_token_id
-    end = int(np.argmin(settled)) if not settled.all() else response.size
-    if spec.method == "ar":
-      end = int(state.t)
-    ids = response[:end].tolist()
+    ids = _ALGORITHMS[spec.method].settled(state, spec)
     for i, tok in enumerate(ids):
       if tok in stops:
         ids = ids[:i + 1]
