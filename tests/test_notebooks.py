@@ -38,7 +38,9 @@ def test_committed_clean_with_badge_and_guarded_install(name):
   assert nb.cells[0].cell_type == "markdown" and badge in nb.cells[0].source
   install = nb.cells[1].source
   assert nb.cells[1].cell_type == "code" and "except ImportError" in install
-  assert 'pip", \'install -q "d2f_jax @ git+https://github.com/d2f-jax/d2f_jax"' in install
+  # Off a checkout: pip install with the extra of the runtime's backend, so pip keeps the matching jax.
+  assert 'install -q "d2f_jax[{_extra}] @ git+https://github.com/d2f-jax/d2f_jax"' in install
+  assert '{"tpu": "tpu,eval", "gpu": "cuda12,eval"}.get(jax.default_backend(), "eval")' in install
 
 
 @pytest.mark.parametrize("name", NAMES)
