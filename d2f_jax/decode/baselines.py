@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from d2f_jax.decode.config import DecodeSpec, Knobs
-from d2f_jax.decode.result import DecodeResult, make_result
+from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import choose_tokens, is_stop, ordering_score, rank_descending
 from d2f_jax.models import PAD_ID, KVCache, align_logits
 
@@ -178,9 +178,7 @@ def finish_ar(state: ARState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
 
 def settled_full(state: FullState, spec: DecodeSpec) -> list[int]:
   """Row 0's decoded response prefix (no mask before it), on the host."""
-  response = np.asarray(state.tokens[0, state.tokens.shape[1] - spec.max_new_tokens:])
-  masked = response == spec.model.mask_token_id
-  return response[:int(np.argmax(masked)) if masked.any() else response.size].tolist()
+  return decoded_prefix(state.tokens[0, state.tokens.shape[1] - spec.max_new_tokens:], spec.model.mask_token_id)
 
 
 def settled_ar(state: ARState, spec: DecodeSpec) -> list[int]:

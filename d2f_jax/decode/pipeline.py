@@ -24,10 +24,9 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from d2f_jax.decode.config import DecodeSpec, Knobs
-from d2f_jax.decode.result import DecodeResult, make_result
+from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop
 from d2f_jax.models import PAD_ID, KVCache, align_logits
 
@@ -268,6 +267,4 @@ def finish(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
 def settled(state: D2FState, spec: DecodeSpec) -> list[int]:
   """Row 0's response prefix that is decoded (no mask before it), read on the host: what `stream` shows."""
   width = _prompt_width(state, spec)
-  response = np.asarray(state.tokens[0, width:width + spec.max_new_tokens])
-  masked = response == spec.model.mask_token_id
-  return response[:int(np.argmax(masked)) if masked.any() else response.size].tolist()
+  return decoded_prefix(state.tokens[0, width:width + spec.max_new_tokens], spec.model.mask_token_id)

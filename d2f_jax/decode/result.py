@@ -62,3 +62,10 @@ def make_result(response, trace, stop_ids, pad_id, forwards, steps=None, max_in_
                       max_accepted=zeros if max_accepted is None else max_accepted,
                       in_flight_sum=zeros if in_flight_sum is None else in_flight_sum,
                       window_sum=zeros if window_sum is None else window_sum)
+
+
+def decoded_prefix(response, mask_token_id: int) -> list[int]:
+  """The ids of a host response row [N] before its first mask token (what `stream` can show)."""
+  response = np.asarray(response)
+  masked = response == mask_token_id
+  return response[:int(np.argmax(masked)) if masked.any() else response.size].tolist()
