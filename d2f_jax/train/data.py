@@ -77,6 +77,15 @@ def tokenize_pairs(pairs, tokenizer, seq_len: int, eos_id: int) -> Examples:
   return Examples(tokens[:kept], prompt_len[:kept])
 
 
+def tokenize_with(pairs, data_cfg, tokenizer_dir: str, eos_id: int) -> Examples:
+  """tokenize_pairs with the tokenizer saved in `tokenizer_dir` (every text source's last step)."""
+  from d2f_jax.api import load_tokenizer
+  tokenizer = load_tokenizer(tokenizer_dir)
+  if tokenizer is None:
+    raise FileNotFoundError(f"no tokenizer in {tokenizer_dir!r}; set config.data.tokenizer")
+  return tokenize_pairs(pairs, tokenizer, data_cfg.seq_len, eos_id)
+
+
 def _cache_key(path: str, data_cfg, tokenizer_dir: str) -> str:
   stat = os.stat(path)
   text = json.dumps([os.path.abspath(path), stat.st_size, stat.st_mtime_ns, data_cfg.seq_len, data_cfg.question_field,
@@ -90,12 +99,8 @@ def jsonl_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, cache_
   if cache and os.path.exists(cache):
     with np.load(cache) as z:
       return Examples(z["tokens"], z["prompt_len"])
-  from d2f_jax.api import load_tokenizer
-  tokenizer = load_tokenizer(tokenizer_dir)
-  if tokenizer is None:
-    raise FileNotFoundError(f"no tokenizer in {tokenizer_dir!r}; set config.data.tokenizer")
-  examples = tokenize_pairs(read_jsonl(path, data_cfg.question_field, data_cfg.answer_field), tokenizer,
-                            data_cfg.seq_len, eos_id)
+  examples = tokenize_with(read_jsonl(path, data_cfg.question_field, data_cfg.answer_field), data_cfg,
+                           tokenizer_dir, eos_id)
   if cache:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{cache}.{os.getpid()}.tmp.npz"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from d2f_jax.train.data import tokenize_with
+
 DEFAULT_SPLIT = "train"
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -39,15 +41,6 @@ def _pairs(rows, data_cfg, where: str) -> list[tuple[str, str]]:
   return pairs
 
 
-def _tokenize(pairs, data_cfg, tokenizer_dir: str, eos_id: int):
-  from d2f_jax.api import load_tokenizer
-  from d2f_jax.train.data import tokenize_pairs
-  tokenizer = load_tokenizer(tokenizer_dir)
-  if tokenizer is None:
-    raise FileNotFoundError(f"no tokenizer in {tokenizer_dir!r}; set config.data.tokenizer")
-  return tokenize_pairs(pairs, tokenizer, data_cfg.seq_len, eos_id)
-
-
 def tfds_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, cache_dir=None):
   """Examples of a prepared TFDS dataset directory (the one holding dataset_info.json)."""
   import tensorflow_datasets as tfds
@@ -59,7 +52,7 @@ def tfds_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, cache_d
   if split not in builder.info.splits:
     raise ValueError(f"config.data.path={path!r}: no split {split!r}; the dataset has {sorted(builder.info.splits)}")
   source = builder.as_data_source(split=split)
-  return _tokenize(_pairs((source[i] for i in range(len(source))), data_cfg, path), data_cfg, tokenizer_dir, eos_id)
+  return tokenize_with(_pairs((source[i] for i in range(len(source))), data_cfg, path), data_cfg, tokenizer_dir, eos_id)
 
 
 def hf_datasets_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, cache_dir=None):
@@ -81,7 +74,7 @@ def hf_datasets_source(path: str, data_cfg, *, tokenizer_dir: str, eos_id: int, 
   except Exception as e:  # missing file, unknown split, not cached offline: one line naming the path
     raise ValueError(f"config.data.path={path!r} (source hf_datasets): {type(e).__name__}: "
                      f"{str(e).splitlines()[0] if str(e) else ''}") from e
-  return _tokenize(_pairs(rows, data_cfg, path), data_cfg, tokenizer_dir, eos_id)
+  return tokenize_with(_pairs(rows, data_cfg, path), data_cfg, tokenizer_dir, eos_id)
 
 
 def jsonl_to_tfds(jsonl_path: str, data_dir: str, *, name: str = "d2f_qa", split: str = DEFAULT_SPLIT,
