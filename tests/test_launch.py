@@ -81,7 +81,8 @@ def test_tpu_pod_git_install_command_mode_v5e_alias_and_keep():
   cmds = commands(proc)
   assert "--accelerator-type=v5litepod-16" in cmds[0] and "--version=v2-alpha-tpuv5-lite" in cmds[0]
   install = option(cmds[1], "--command")
-  assert shlex.split(install.split("pip install -q ")[-1]) == ["d2f_jax[tpu,eval] @ git+https://github.com/d2f-jax/d2f_jax@v0.1"]
+  assert shlex.split(install.split("pip install -q ")[-1]) == [
+      "d2f_jax[tpu,eval] @ git+https://github.com/d2f-jax/d2f_jax@v0.1"]
   assert "--worker=all" in cmds[1]
   assert not any("tar" in c for c in cmds)
   assert "{ python -m d2f_jax.evaluate --task gsm8k ; }" in option(cmds[2], "--command")
@@ -251,22 +252,19 @@ def test_gpu_host_reruns_a_preempted_job_until_it_finishes(tmp_path):
 
 
 def test_gpu_host_stopped_by_sigterm_stops_its_job_and_does_not_rerun(tmp_path):
-  import signal
   import time
+  from process_utils import sigterm_when_ready
   started = tmp_path / "started"
   job = f"trap 'echo got-term >> {started}; exit 143' TERM; echo up >> {started}; while :; do sleep 0.1; done"
   proc = subprocess.Popen([BASH, GPU, "--command", job, "--skip_install", "--logs", str(tmp_path / "logs")],
                           env=_fake_gpu_host(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
-  try:
+
+  def ready():
     deadline = time.time() + 30
     while not (started.exists() and "up" in started.read_text()) and time.time() < deadline:
       time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  err = sigterm_when_ready(proc, ready, timeout=30)
   assert proc.returncode == 143, err
   assert started.read_text().split() == ["up", "got-term"]  # the job got the signal, and ran once
   assert "resuming" not in err

@@ -4,7 +4,6 @@ the field (exit status 2 from the CLI, one line, no traceback), the source and a
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from d2f_jax import convert
 from d2f_jax.convert import cli, synthetic, util
 from d2f_jax.convert.errors import ConvertError
 from d2f_jax.models import TINY_LLADA, LoraConfig
+from process_utils import sigterm_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = "model.safetensors"
@@ -351,14 +351,11 @@ def test_sigterm_removes_the_temp_dir_and_exits_143(source, tmp_path):
   proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, "--no_progress", "--hf_dir", str(source), "--out",
                            str(out)], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
+
+  def ready():
     assert proc.stdout.readline().strip() == "saved"
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # mid-conversion: the temp dir exists
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  err = sigterm_when_ready(proc, ready, timeout=60)
   assert proc.returncode == 143, err
   assert_one_line_error(err, "SIGTERM")
   assert os.listdir(tmp_path) == []

@@ -4,7 +4,6 @@ refused with an error naming the cause, without losing or overwriting what the w
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from d2f_jax.train.config import load_config_file
 from d2f_jax.train.state import abstract_state
 from d2f_jax.train.trainer import METRICS_FILE, NonFiniteError, Trainer
 from test_robust_convert import snapshot
+from process_utils import sigterm_when_ready
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -181,18 +181,15 @@ def test_sigterm_exits_143_after_its_checkpoint_and_metrics_survive(tmp_path):
   proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = workdir / METRICS_FILE
-  try:
+
+  def ready():
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
       if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= 3:
         break
       time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  err = sigterm_when_ready(proc, ready, timeout=120)
   assert proc.returncode == 143, err[-3000:]
   steps = [json.loads(line)["step"] for line in open(metrics)]
   last = max(steps)
