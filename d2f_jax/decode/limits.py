@@ -33,7 +33,8 @@ def prompt_rows(prompts, mask=None) -> list[np.ndarray]:
   else:
     array = _int_row(prompts, None)
     if array.ndim != 2:
-      raise DecodeInputError(f"prompt_ids must be a list of id lists or a [batch, length] array, got shape {array.shape}")
+      raise DecodeInputError(f"prompt_ids must be a list of id lists or a [batch, length] array, got shape "
+                             f"{array.shape}")
     keep = np.ones(array.shape, bool) if mask is None else np.asarray(mask).astype(bool)
     if keep.shape != array.shape:
       raise DecodeInputError(f"mask shape {keep.shape} != prompt_ids shape {array.shape}")
@@ -71,7 +72,7 @@ def check_vocabulary(rows: list[np.ndarray], config: ModelConfig) -> None:
     if row.min() < 0 or row.max() >= config.vocab_size:
       bad = int(row[(row < 0) | (row >= config.vocab_size)][0])
       raise DecodeInputError(f"prompt {b} has token id {bad}, outside the vocabulary [0, {config.vocab_size}) "
-                       f"(ids seen: [{row.min()}, {row.max()}])")
+                             f"(ids seen: [{row.min()}, {row.max()}])")
 
 
 def check_positions(config: ModelConfig, longest_prompt: int, max_new_tokens: int) -> None:
