@@ -29,10 +29,11 @@ def get_config(arg=None):
                                            mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-6))
   c.batch_size = 32
   # Stage lengths in optimizer steps; learning rates are toy-scale (tiny model).
-  c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60))
-  c.teacher = ml_collections.ConfigDict(dict(steps=700, lr=1e-3, warmup=30))
-  c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32))
-  c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60))  # 0: skipped
+  c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60, decay="constant"))
+  c.teacher = ml_collections.ConfigDict(dict(steps=700, lr=1e-3, warmup=30, decay="constant"))
+  c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32,
+                                               decay="constant"))
+  c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="constant"))  # 0: skipped
   c.block_size = 8
   c.max_new_tokens = 40  # longest solution (39 tokens + EOS) in whole blocks
   # D2F threshold sweep: (tau_add, tau_act, tau_conf); the first is the paper's default.

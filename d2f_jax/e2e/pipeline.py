@@ -55,7 +55,8 @@ def model_overrides(c: ml_collections.ConfigDict, family: str) -> dict:
 
 
 def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps: int, lr: float, warmup: int,
-                 model_path: str | None = None, family: str = "dream", finetune: str = "full", lora_rank: int = 32):
+                 model_path: str | None = None, family: str = "dream", finetune: str = "full", lora_rank: int = 32,
+                 decay: str = "constant"):
   """A Trainer config for one stage on the pre-tokenized task data: random init of `family` without a
   `model_path`, else initialised from that stage's export (same layout, any objective)."""
   t = train_config.base_config()
@@ -79,6 +80,7 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   t.data.eval_examples = 4 * c.batch_size
   t.optim.lr = lr
   t.optim.warmup_steps = warmup
+  t.optim.decay = decay
   t.optim.weight_decay = 0.0 if model_path is None else t.optim.weight_decay
   t.mesh.update(dict(data=1, fsdp=-1, tensor=1))
   t.checkpoint.update(dict(every=max(steps // 4, 1), keep=1))
@@ -139,11 +141,11 @@ def held_out_task(c) -> ArithmeticTask:
 def stages(c) -> list[tuple[str, str, dict]]:
   """(stage name, what it is, stage_config keywords) in training order; a stage of 0 steps is left out."""
   out = [("ar", "AR pre-training of the Dream-layout model (also the AR baseline)",
-          dict(objective="ar", steps=c.ar.steps, lr=c.ar.lr, warmup=c.ar.warmup, family="dream")),
+          dict(objective="ar", steps=c.ar.steps, lr=c.ar.lr, warmup=c.ar.warmup, decay=c.ar.decay, family="dream")),
          ("teacher", "MDM adaptation of the AR model with shifted logits (the teacher)",
-          dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, init="ar")),
+          dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, decay=c.teacher.decay, init="ar")),
          ("student", "D2F asymmetric distillation of the teacher (the student)",
-          dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup,
+          dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup, decay=c.student.decay,
                finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]
   if c.llada_teacher.steps > 0:
     out.append(("llada_teacher", "LLaDA-layout teacher trained from scratch with the MDM objective",

@@ -91,7 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 2
 
   c.optim = ml_collections.ConfigDict(dict(lr=1e-5, warmup_steps=0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.05,
-                                           clip=1.0))
+                                           clip=1.0, decay="constant"))
 
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
   c.logical_axis_rules = DEFAULT_RULES
@@ -202,6 +202,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     value = c.optim[field]
     _require(isinstance(value, (int, float)) and math.isfinite(value), f"optim.{field}", value,
              "must be a finite number")
+  _require(c.optim.decay in ("constant", "cosine", "linear"), "optim.decay", c.optim.decay,
+           "must be 'constant' (the reference), 'cosine' or 'linear'")
+  _require(c.optim.decay == "constant" or c.total_steps > c.optim.warmup_steps, "optim.decay", c.optim.decay,
+           f"a decaying schedule needs total_steps ({c.total_steps}) > optim.warmup_steps ({c.optim.warmup_steps})")
   _require(c.optim.warmup_steps >= 0 and c.optim.weight_decay >= 0, "optim.warmup_steps", c.optim.warmup_steps,
            "warmup_steps and weight_decay must be >= 0")
 

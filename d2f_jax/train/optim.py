@@ -1,5 +1,7 @@
 """AdamW with the reference's defaults: betas (0.9, 0.95), weight decay 0.05, eps 1e-8, clip 1.0,
-constant learning rate after an optional linear warm-up. Norm scales and biases are not decayed."""
+constant learning rate after an optional linear warm-up (the reference's schedule, the default); `decay`
+'cosine' or 'linear' anneals it to 0 at `decay_steps` instead, the usual choice for short from-scratch runs
+(the miniature's). Norm scales and biases are not weight-decayed."""
 
 from __future__ import annotations
 
@@ -18,16 +20,33 @@ class OptimSpec:
   eps: float = 1e-8
   weight_decay: float = 0.05
   clip: float = 1.0
+  decay: str = "constant"  # after warm-up: 'constant' (the reference), 'cosine' or 'linear' to 0 at decay_steps
+  decay_steps: int = 0  # the run's total steps (from the config's total_steps)
 
   @classmethod
-  def from_config(cls, optim) -> "OptimSpec":
-    return cls(**{f.name: type(f.default)(optim[f.name]) for f in dataclasses.fields(cls)})
+  def from_config(cls, optim, total_steps: int = 0) -> "OptimSpec":
+    fields = {f.name: type(f.default)(optim[f.name]) for f in dataclasses.fields(cls)
+              if f.name in optim and f.name != "decay_steps"}
+    return cls(**fields, decay_steps=int(total_steps))
+
+
+DECAYS = ("constant", "cosine", "linear")
 
 
 def learning_rate(spec: OptimSpec) -> optax.Schedule:
-  if spec.warmup_steps <= 0:
-    return optax.constant_schedule(spec.lr)
-  return optax.warmup_constant_schedule(0.0, spec.lr, spec.warmup_steps)
+  if spec.decay not in DECAYS:
+    raise ValueError(f"optim.decay={spec.decay!r}: expected one of {DECAYS}")
+  warmup = max(spec.warmup_steps, 0)
+  if spec.decay == "constant":
+    if warmup == 0:
+      return optax.constant_schedule(spec.lr)
+    return optax.warmup_constant_schedule(0.0, spec.lr, warmup)
+  if spec.decay_steps <= warmup:
+    raise ValueError(f"optim.decay={spec.decay!r} needs total_steps ({spec.decay_steps}) > optim.warmup_steps "
+                     f"({warmup})")
+  anneal = (optax.cosine_decay_schedule(spec.lr, spec.decay_steps - warmup) if spec.decay == "cosine"
+            else optax.linear_schedule(spec.lr, 0.0, spec.decay_steps - warmup))
+  return optax.join_schedules([optax.linear_schedule(0.0, spec.lr, warmup), anneal], [warmup])
 
 
 def _decay_mask(params):

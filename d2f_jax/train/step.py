@@ -69,7 +69,7 @@ def spec_from_config(config, models: DistillModels, mesh: Mesh, rules: sharding.
   """The StepSpec of a run config on `mesh`: what the Trainer compiles, and so what `python -m d2f_jax.aot`
   compiles for a target (one function, so the check cannot drift from the run)."""
   return StepSpec(models=models, schedule=Schedule(**config.schedule.to_dict()),
-                  optim=OptimSpec.from_config(config.optim), block_size=config.block_size,
+                  optim=OptimSpec.from_config(config.optim, config.total_steps), block_size=config.block_size,
                   micro_batches=config.micro_batches, loss_chunk=config.loss_chunk,
                   batch_sharding=sharding.batch_sharding(mesh, rules), objective=config.objective,
                   mdm_eps=float(config.mdm.eps))
