@@ -19,7 +19,8 @@ import numpy as np
 
 from d2f_jax.reporting import write_report
 from d2f_jax.kernels import flash_attention, window_attention, window_attention_reference
-from d2f_jax.models.attention import PAD_ID, attention_ids, attention_reference
+from d2f_jax.kernels.reference import PAD_ID, attention_reference
+from d2f_jax.models.attention import attention_ids
 from d2f_jax.train.metrics import measure_matmul_flops
 
 # Dense bf16 TFLOP/s and HBM GB/s per chip, from the vendors' datasheets. Matched on device_kind, first hit.

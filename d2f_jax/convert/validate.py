@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from d2f_jax.convert.errors import ConvertError, one_line
-from d2f_jax.models.config import ATTENTION_IMPLS, LoraConfig, ModelConfig
+from d2f_jax.kernels.common import ATTENTION_IMPLS
+from d2f_jax.models.config import LoraConfig, ModelConfig
 
 _MISSING = object()
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "eot_token_id")

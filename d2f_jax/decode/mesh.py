@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from d2f_jax.models.kv_cache import KVCache
-from d2f_jax.models.sharding_hints import MeshLayout, layout_from_rules
+from d2f_jax.sharding_hints import MeshLayout, layout_from_rules
 from d2f_jax.train import sharding
 from d2f_jax.train.config import DEFAULT_RULES
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.kernels.common import PAD_ID, resolve_backend
+from d2f_jax.kernels.common import ATTENTION_IMPLS, PAD_ID, resolve_backend
 from d2f_jax.kernels.flash_attention import flash_attention
 from d2f_jax.kernels.sharded import KV, QUERY, ROWS, sharded_kernel_call
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
-from d2f_jax.models.attention import attention_reference
-from d2f_jax.models.config import ATTENTION_IMPLS
-from d2f_jax.models.sharding_hints import MeshLayout, current_layout
+from d2f_jax.kernels.reference import attention_reference
+from d2f_jax.sharding_hints import MeshLayout, current_layout
 
 
 def _kernel_options(impl: str) -> tuple[str, str | bool]:

@@ -1,6 +1,6 @@
 """Pieces every attention kernel shares: backend dispatch, argument checks, padding, the online-softmax step.
 
-The kernels implement one rule (see `d2f_jax.models.attention`): key j is visible to query i iff
+The kernels implement one rule (see `d2f_jax.kernels.reference`): key j is visible to query i iff
 `k_ids[j] <= q_ids[i]`. The step functions below work on values, so the Triton and the Mosaic kernels use
 the same arithmetic and differ only in how tiles reach them.
 """
@@ -14,12 +14,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from d2f_jax.models.attention import PAD_ID
+# MASK_VALUE: the reference's finite mask value; a masked score contributes exp(-1e30 - m) == 0
+from d2f_jax.kernels.reference import MASK_VALUE, PAD_ID  # noqa: F401  (re-exported)
 
-MASK_VALUE = -1e30  # the reference's finite mask value: a masked score contributes exp(-1e30 - m) == 0
 MIN_ID = jnp.iinfo(jnp.int32).min  # sees no key; used to keep padded query rows out of tile statistics
 
 IMPLS = ("auto", "xla", "pallas")
+# ModelConfig.attention_impl: a kernel impl, or a backend's kernel in its CPU interpreter (tests)
+ATTENTION_IMPLS: tuple[str, ...] = ("xla", "auto", "pallas", "interpret_gpu", "interpret_tpu")
 INTERPRETS = (False, "gpu", "tpu")
 
 
@@ -160,7 +162,7 @@ def check_gqa(num_heads: int, num_kv_heads: int) -> int:
   return num_heads // num_kv_heads
 
 
-__all__ = ["PAD_ID", "MASK_VALUE", "MIN_ID", "IMPLS", "INTERPRETS", "resolve_backend", "interpret_arg",
-           "matmul", "matmul_precision", "online_softmax_step", "finalize", "log_sum_exp", "round_up", "next_pow2",
+__all__ = ["PAD_ID", "MASK_VALUE", "MIN_ID", "IMPLS", "ATTENTION_IMPLS", "INTERPRETS", "resolve_backend",
+           "interpret_arg", "matmul", "matmul_precision", "online_softmax_step", "finalize", "log_sum_exp", "round_up", "next_pow2",
            "pad_axis", "padded_length", "tile_max_ids", "tile_min_ids", "check_array", "check_float",
            "check_gqa"]

@@ -3,7 +3,7 @@ kernel backward pass.
 
 One rule covers every pattern the project trains with: key j visible to query i iff k_ids[j] <= q_ids[i]
 (prompt-visible block-causal, bidirectional, causal, padding). The reference is
-`d2f_jax.models.attention.attention_reference`; the kernels agree with it on every row, padding rows
+`d2f_jax.kernels.reference.attention_reference`; the kernels agree with it on every row, padding rows
 included. Whole key tiles invisible to a whole query tile (min key id > max query id) are skipped, which
 for block-causal attention removes about half the work.
 
@@ -24,7 +24,7 @@ from d2f_jax.kernels.common import (PAD_ID, check_array, check_float, check_gqa,
                                     padded_length, resolve_backend)
 from d2f_jax.kernels.flash_attention_gpu import backward_gpu, forward_gpu
 from d2f_jax.kernels.flash_attention_tpu import backward_tpu, forward_tpu
-from d2f_jax.models.attention import attention_reference
+from d2f_jax.kernels.reference import attention_reference
 
 flash_attention_reference = attention_reference
 

@@ -22,7 +22,7 @@ from d2f_jax.kernels.common import (PAD_ID, check_array, check_float, check_gqa,
                                     pad_axis, resolve_backend, round_up)
 from d2f_jax.kernels.window_attention_gpu import window_attention_gpu
 from d2f_jax.kernels.window_attention_tpu import window_attention_tpu
-from d2f_jax.models.attention import attention_reference
+from d2f_jax.kernels.reference import attention_reference
 
 
 def window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, *,

@@ -1,6 +1,7 @@
 """The transformer family: config, layers, attention patterns, KV cache and jitted entry points."""
 
-from d2f_jax.models.attention import ATTENTION_MODES, PAD_ID, attention_ids, attention_reference
+from d2f_jax.kernels.reference import PAD_ID, attention_reference
+from d2f_jax.models.attention import ATTENTION_MODES, attention_ids
 from d2f_jax.models.config import (DREAM_7B, LLADA_8B, PRESETS, TINY_DREAM, TINY_LLADA, LoraConfig,
                                    ModelConfig, preset)
 from d2f_jax.models.functional import forward, logits_for_mode

@@ -1,4 +1,4 @@
-"""Attention patterns as per-token ids, and the pure-jnp attention that is the kernels' reference.
+"""Attention patterns as per-token ids (the rule and its pure-jnp reference live in `d2f_jax.kernels.reference`).
 
 Every pattern the project needs is one rule: key j is visible to query i iff `key_ids[j] <= query_ids[i]`.
 - bidirectional: every id 0;
@@ -19,10 +19,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from d2f_jax.kernels.reference import PAD_ID
+
 AttentionMode = Literal["bidirectional", "causal", "block_causal"]
 ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "causal", "block_causal")
-PAD_ID = jnp.iinfo(jnp.int32).max
-_MASKED = -1e30  # finite, so a (never expected) fully masked row yields a uniform average, not NaN
 
 
 def attention_ids(
@@ -57,26 +57,3 @@ def attention_ids(
   if valid is not None:
     ids = jnp.where(valid, ids, PAD_ID)
   return ids.astype(jnp.int32)
-
-
-def attention_reference(
-    q: jax.Array,  # [B, T, H, D]
-    k: jax.Array,  # [B, S, K, D]
-    v: jax.Array,  # [B, S, K, D]
-    q_ids: jax.Array,  # [B, T] int32
-    k_ids: jax.Array,  # [B, S] int32
-    *,
-    scale: float | None = None,
-) -> jax.Array:
-  """Softmax attention under the id rule, grouped-query, softmax in fp32. Returns [B, T, H, D]."""
-  batch, q_len, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
-  group = num_heads // num_kv_heads
-  scale = head_dim ** -0.5 if scale is None else scale
-  q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  visible = k_ids[:, None, None, None, :] <= q_ids[:, None, None, :, None]  # [B, 1, 1, T, S]
-  scores = jnp.where(visible, scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

@@ -11,10 +11,11 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from d2f_jax.kernels.common import ATTENTION_IMPLS
+
 Family = Literal["llada", "dream", "custom"]
 # Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
 # GPU/TPU and the reference on CPU, "pallas" = kernels always, "interpret_*" = kernels in a CPU interpreter.
-ATTENTION_IMPLS: tuple[str, ...] = ("xla", "auto", "pallas", "interpret_gpu", "interpret_tpu")
 
 
 @dataclasses.dataclass(frozen=True)

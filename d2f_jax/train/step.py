@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from d2f_jax.models.sharding_hints import MeshLayout, batch_sharded_activations, layout_from_rules, mesh_layout
+from d2f_jax.sharding_hints import MeshLayout, batch_sharded_activations, layout_from_rules, mesh_layout
 from d2f_jax.train import objectives, sharding
 from d2f_jax.train.model import DistillModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
