@@ -1,4 +1,4 @@
-"""Reading benchmark files: JSONL (optionally gzipped) with per-line errors, and the default data paths.
+"""Reading data files: JSONL (optionally gzipped) with per-line errors, and where benchmark files live.
 
 Benchmarks are read from local files only (no hub download), so a bad line must say which file and line
 it is and what was expected; a half-read benchmark would silently change the score.
@@ -12,12 +12,16 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-# The repository sits next to ../shared/data (D2F_DATA_DIR overrides it, e.g. on an accelerator host).
-_REPO = Path(__file__).resolve().parents[2]
+DATA_DIR_ENV = "D2F_DATA_DIR"
 
 
 def data_dir() -> Path:
-  return Path(os.environ.get("D2F_DATA_DIR") or _REPO.parent / "shared" / "data")
+  """Where benchmark files (gsm8k_test.jsonl, HumanEval.jsonl.gz) are looked for: $D2F_DATA_DIR, else
+  $XDG_DATA_HOME/d2f_jax (~/.local/share/d2f_jax). Nothing is downloaded; the files are the user's."""
+  if os.environ.get(DATA_DIR_ENV):
+    return Path(os.environ[DATA_DIR_ENV]).expanduser()
+  base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+  return Path(base) / "d2f_jax"
 
 
 def default_path(filename: str) -> str:
@@ -32,7 +36,9 @@ def read_jsonl(path, required: Iterable[str] = (), *, limit: int | None = None) 
   """
   path = os.fspath(path)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"benchmark file {path!r} does not exist")
+    hint = (f" (benchmark files are looked for in {data_dir()}: set ${DATA_DIR_ENV} or pass the file's path)"
+            if os.path.dirname(os.path.abspath(path)) == str(data_dir().absolute()) else "")
+    raise FileNotFoundError(f"data file {path!r} does not exist{hint}")
   if limit is not None and (not isinstance(limit, int) or limit < 1):
     raise ValueError(f"limit must be a positive int or None, got {limit!r}")
   required = tuple(required)

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lora_dir", "--lora", default=None, help="PEFT adapter merged into the model (a D2F student)")
   p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16")
   p.add_argument("--task", required=True, choices=sorted(TASKS))
-  p.add_argument("--data", default=None, help="benchmark file (default: ../shared/data/<task file>)")
+  p.add_argument("--data", default=None, help="benchmark file (default: <task file> in $D2F_DATA_DIR, else ~/.local/share/d2f_jax)")
   p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
   p.add_argument("--out", default=None, help="output directory (default results/evals/<task>_<method>_<time>)")
   p.add_argument("--batch_size", type=int, default=1, help="prompts per generate call (the paper uses 1)")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from d2f_jax.evals import gsm8k, humaneval
-from d2f_jax.evals.data import read_jsonl
+from d2f_jax.datafiles import read_jsonl
 from d2f_jax.models import TINY_LLADA
 
 

@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness adapter end to end on a tiny model and the local data in ../shared/data: the
+"""The lm-evaluation-harness adapter end to end on a tiny model and the local data ($D2F_DATA_DIR): the
 documented command runs, its results JSON is lm-eval's, and it agrees with the built-in harness problem by
 problem under the same prompts and extraction. Offline: no hub access is attempted."""
 
@@ -13,6 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from d2f_jax.datafiles import default_path  # noqa: E402
+from d2f_jax.evals import gsm8k  # noqa: E402
 from d2f_jax.models import TINY_LLADA  # noqa: E402
 
 pytest.importorskip("lm_eval")
@@ -36,10 +38,10 @@ def model(checkpoint):
 
 
 @pytest.fixture
-def at_repo_root(monkeypatch):
-  monkeypatch.chdir(REPO)  # the task configs name ../shared/data relative to the repository root
-  if not (REPO.parent / "shared" / "data" / "gsm8k_test.jsonl").exists():
-    pytest.skip("../shared/data is not next to this checkout")
+def elsewhere(monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)  # the task configs work from any directory
+  if not os.path.exists(default_path(gsm8k.DEFAULT_FILE)):
+    pytest.skip(f"no {gsm8k.DEFAULT_FILE} in the data directory ($D2F_DATA_DIR)")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def cli_run(checkpoint, tmp_path_factory):
   from d2f_jax.evals.lm_eval_model import main
   out = tmp_path_factory.mktemp("lm_eval_out")
   cwd = os.getcwd()
-  os.chdir(REPO)
+  os.chdir(out)  # any directory: the task configs read the data directory, not a relative path
   try:
     main(["--model", "d2f_jax", "--model_args", f"pretrained={checkpoint},{DECODE_ARGS}", "--tasks", "gsm8k_builtin",
           "--include_path", str(TASKS_DIR), "--limit", str(LIMIT), "--gen_kwargs", f"max_gen_toks={NEW_TOKENS}",
@@ -75,7 +77,7 @@ def test_results_json_is_lm_evals(cli_run):
   assert results["n-shot"]["gsm8k_builtin"] == 4 and len(samples) == LIMIT
 
 
-def test_adapter_agrees_with_the_builtin_harness_problem_by_problem(cli_run, model, at_repo_root, tmp_path):
+def test_adapter_agrees_with_the_builtin_harness_problem_by_problem(cli_run, model, elsewhere, tmp_path):
   from d2f_jax.decode import DecodeConfig
   from d2f_jax.evals import gsm8k
   from d2f_jax.evals.runner import run_benchmark
@@ -98,7 +100,7 @@ def test_adapter_agrees_with_the_builtin_harness_problem_by_problem(cli_run, mod
   assert results["results"]["gsm8k_builtin"]["exact_match,none"] == pytest.approx(builtin["score"] / 100)
 
 
-def test_paper_protocol_chat_template_multiturn_and_bos(model, at_repo_root):
+def test_paper_protocol_chat_template_multiturn_and_bos(model, elsewhere):
   import lm_eval
 
   from d2f_jax.evals.lm_eval_model import D2FJaxLM
@@ -116,7 +118,7 @@ def test_paper_protocol_chat_template_multiturn_and_bos(model, at_repo_root):
   assert task.config.generation_kwargs["until"] == ["Question:", "</s>", "<|im_end|>"]
 
 
-def test_humaneval_task_is_judged_in_the_sandbox(model, at_repo_root, monkeypatch):
+def test_humaneval_task_is_judged_in_the_sandbox(model, elsewhere, monkeypatch):
   import lm_eval
 
   from d2f_jax.evals.lm_eval_model import D2FJaxLM

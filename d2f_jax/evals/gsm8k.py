@@ -20,7 +20,7 @@ import random
 import re
 from decimal import Decimal, InvalidOperation
 
-from d2f_jax.evals.data import default_path, read_jsonl
+from d2f_jax.datafiles import default_path, read_jsonl
 
 DEFAULT_FILE = "gsm8k_test.jsonl"
 FIELDS = ("question", "answer")

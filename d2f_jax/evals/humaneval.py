@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from d2f_jax.evals.data import default_path, read_jsonl
+from d2f_jax.datafiles import default_path, read_jsonl
 from d2f_jax.evals.sandbox import Sandbox, TestProgram
 
 DEFAULT_FILE = "HumanEval.jsonl.gz"

@@ -2,11 +2,12 @@
 
     python -m d2f_jax.evals.lm_eval_model --model d2f_jax \\
         --model_args pretrained=PATH,method=d2f,add_bos=True --tasks gsm8k_d2f \\
-        --include_path d2f_jax/evals/lm_eval_tasks --num_fewshot 4 --apply_chat_template \\
-        --fewshot_as_multiturn --output_path results/lm_eval --log_samples
+        --num_fewshot 4 --apply_chat_template --fewshot_as_multiturn --output_path results/lm_eval --log_samples
 
 This module registers the model and then runs lm-eval's own command line (any lm-eval flag works; the
-results JSON and samples files are lm-eval's). `import d2f_jax.evals.lm_eval_model` is enough to use
+results JSON and samples files are lm-eval's). The project's task configs (gsm8k_d2f, gsm8k_builtin,
+humaneval_d2f, on the local files of `d2f_jax.datafiles.data_dir()`) are on the include path unless
+`--include_path` is given. `import d2f_jax.evals.lm_eval_model` is enough to use
 `lm_eval.simple_evaluate(model="d2f_jax", ...)` from Python.
 
 generate_until runs any decoding method of d2f_jax.decode (method=d2f|threshold|vanilla|ar|...), greedy
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import zlib
 
@@ -216,10 +218,15 @@ def _make_mesh(text: str):
   return sharding.make_mesh(parse_mesh(text.replace(";", ",")), jax.devices())
 
 
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
+
+
 def main(argv: list[str] | None = None) -> None:
   """lm-eval's command line with `d2f_jax` registered (this module is imported, which registers it)."""
   from lm_eval.__main__ import cli_evaluate
   argv = sys.argv[1:] if argv is None else list(argv)
+  if "--include_path" not in argv:
+    argv += ["--include_path", TASKS_DIR]
   saved = sys.argv
   sys.argv = ["lm-eval", *argv]
   try:

@@ -1,12 +1,30 @@
-"""Functions the local lm-eval task configs call (`!function d2f_tasks.NAME`): few-shot exemplars, the
-built-in harness's GSM8K scoring, and HumanEval judged in the project's sandbox (evals/sandbox.py)."""
+"""Functions the local lm-eval task configs call (`!function d2f_tasks.NAME`): the local test files as
+datasets, few-shot exemplars, the built-in harness's GSM8K scoring, and HumanEval judged in the project's
+sandbox (evals/sandbox.py)."""
 
 from __future__ import annotations
 
 import functools
 import os
 
+from d2f_jax.datafiles import default_path, read_jsonl
 from d2f_jax.evals import gsm8k, humaneval
+
+
+def _local_test_split(filename: str, required: tuple[str, ...]):
+  import datasets
+  rows = read_jsonl(default_path(filename), required)
+  return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def gsm8k_test(**_metadata):
+  """The GSM8K test file from the data directory (lm-eval passes the task's metadata; unused)."""
+  return _local_test_split(gsm8k.DEFAULT_FILE, ("question", "answer"))
+
+
+def humaneval_test(**_metadata):
+  """The HumanEval file from the data directory."""
+  return _local_test_split(humaneval.DEFAULT_FILE, ("task_id", "prompt", "test", "entry_point"))
 
 
 def builtin_exemplars() -> list[dict]:
