@@ -12,7 +12,6 @@ is what lets an 8B model in bf16 load onto chips smaller than it. `model.shard(m
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Sequence
 
 import jax
@@ -20,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from d2f_jax.convert.source import TOKENIZER_FILES, load_tokenizer  # noqa: F401  (public here too)
 from d2f_jax.decode.runner import DecodeModel
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, logits_for_mode
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,23 +118,6 @@ def _flatten(tree: dict, prefix: tuple = ()):
       yield from _flatten(value, prefix + (key,))
     else:
       yield prefix + (key,), value
-
-
-def load_tokenizer(path: str):
-  """The HF tokenizer saved in `path`, read locally only; None when the directory has none.
-
-  With a `tokenizer.json` (LLaDA and Dream both ship one) the fast tokenizer is built directly, so
-  Dream's remote-code tokenizer class is never imported or executed.
-  """
-  if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
-    return None
-  import transformers  # heavy; only when a tokenizer is present
-  try:
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
-      return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-  except Exception as e:  # surface which directory failed and why, not a hub lookup trace
-    raise ValueError(f"could not load the tokenizer in {path!r}: {e}") from e
 
 
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,

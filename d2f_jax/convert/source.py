@@ -5,7 +5,7 @@ Hub cache.
 Hub ids fetch only weights as safetensors, configs and tokenizer files (never `*.py` remote code, never
 pickles); `HF_HUB_OFFLINE=1` keeps to the local cache (`HF_HUB_CACHE`, default ~/.cache/huggingface/hub),
 which is how the tests and air-gapped pods use it. Everything that reads a model (load_model, the trainer,
-aot) goes through `resolve_model_dir`, `read_model_config` and `load_params`.
+aot) goes through `resolve_model_dir`, `read_model_config`, `load_params` and `load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from d2f_jax.models import LoraConfig, ModelConfig
 
 # owner/name[@revision]: the Hub's repo id rules (letters, digits, '-', '_', '.'), a revision without spaces.
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SNAPSHOT_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 
 
@@ -80,3 +81,20 @@ def load_params(path: str, dtype=None, *, target: Any = None, allow_pickle: bool
     return restore_converted(path, dtype=dtype, target=target)
   config, params = load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
   return config, params, None, None
+
+
+def load_tokenizer(path: str):
+  """The HF tokenizer saved in `path`, read locally only; None when the directory has none.
+
+  With a `tokenizer.json` (LLaDA and Dream both ship one) the fast tokenizer is built directly, so
+  Dream's remote-code tokenizer class is never imported or executed.
+  """
+  if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    return None
+  import transformers  # heavy; only when a tokenizer is present
+  try:
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+      return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+  except Exception as e:  # surface which directory failed and why, not a hub lookup trace
+    raise ValueError(f"could not load the tokenizer in {path!r}: {e}") from e

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from d2f_jax.train.data import tokenize_with
+from d2f_jax.train.examples import tokenize_with
 
 DEFAULT_SPLIT = "train"
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -82,7 +82,7 @@ def jsonl_to_tfds(jsonl_path: str, data_dir: str, *, name: str = "d2f_qa", split
   """Write a QA JSONL as an ArrayRecord TFDS dataset under `data_dir` (examples in file order); returns the
   prepared dataset directory that `config.data.path` names for source 'tfds'."""
   import tensorflow_datasets as tfds
-  from d2f_jax.evals import data as jsonl
+  from d2f_jax import datafiles as jsonl
   rows = jsonl.read_jsonl(jsonl_path, (question_field, answer_field))
 
   class Builder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
