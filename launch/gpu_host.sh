@@ -45,15 +45,8 @@ arguments here.
 EOF
 }
 
-die() {
-  echo "$PROG: error: $*" >&2
-  echo "run 'launch/$PROG --help' for usage" >&2
-  exit 2
-}
-
-need_value() {  # flag, number of remaining args, next arg
-  [[ $2 -ge 2 && "$3" != --* ]] || die "$1 needs a value"
-}
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
 
 CONFIG="" WORKDIR="" EVAL=0 COMMAND="" VENV="" CUDA="12" GPUS="" SKIP_INSTALL=0 LOGS="logs/gpu"
 NUM_HOSTS=1 HOST_INDEX="" COORDINATOR="" DRY_RUN=0 RETRIES=3
@@ -102,7 +95,7 @@ if [[ $EVAL -eq 1 && ${#EXTRA[@]} -eq 0 ]]; then
 fi
 [[ "$CUDA" =~ ^(12|13)$ ]] || die "--cuda must be 12 or 13, got '$CUDA'"
 [[ -z "$GPUS" || "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus must be a comma-separated list of GPU indices, got '$GPUS'"
-[[ "$RETRIES" =~ ^[0-9]+$ ]] || die "--retries must be a non-negative integer, got '$RETRIES'"
+check_retries "$RETRIES"
 [[ "$NUM_HOSTS" =~ ^[1-9][0-9]*$ ]] || die "--num_hosts must be a positive integer, got '$NUM_HOSTS'"
 if (( NUM_HOSTS > 1 )); then
   [[ -n "$HOST_INDEX" ]] || die "--num_hosts $NUM_HOSTS needs --host_index (0 .. $(( NUM_HOSTS - 1 )))"
@@ -190,9 +183,8 @@ while :; do
   status=0; wait "$CHILD" || status=$?
   while kill -0 "$CHILD" 2>/dev/null; do status=0; wait "$CHILD" || status=$?; done  # a trapped signal ends wait early
   CHILD=""
-  if [[ $status -eq 143 && $STOPPING -eq 0 && $attempt -lt $RETRIES ]]; then
+  if [[ $STOPPING -eq 0 ]] && should_retry "$status" "$attempt" "$RETRIES"; then
     attempt=$(( attempt + 1 ))
-    echo "$PROG: exit status 143 (preempted, checkpoint saved): resuming, retry $attempt of $RETRIES" >&2
     continue
   fi
   break

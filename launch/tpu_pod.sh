@@ -45,15 +45,8 @@ usage: launch/$PROG --name NAME --zone ZONE --accelerator TYPE
 EOF
 }
 
-die() {
-  echo "$PROG: error: $*" >&2
-  echo "run 'launch/$PROG --help' for usage" >&2
-  exit 2
-}
-
-need_value() {  # flag, number of remaining args, next arg
-  [[ $2 -ge 2 && "$3" != --* ]] || die "$1 needs a value"
-}
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
 
 NAME="" ZONE="" ACCEL="" PROJECT="" VERSION="" SPOT=0 SRC="" GIT="" REF="main" CONFIG="" WORKDIR="" RETRIES=3
 COMMAND="" LOGS="" KEEP=0 DRY_RUN=0
@@ -119,7 +112,7 @@ else
   [[ -z "$WORKDIR" ]] || die "--workdir goes with --config; put it inside --command instead"
   [[ ${#EXTRA[@]} -eq 0 ]] || die "flags after -- go to the distillation (--config); put them inside --command"
 fi
-[[ "$RETRIES" =~ ^[0-9]+$ ]] || die "--retries must be a non-negative integer, got '$RETRIES'"
+check_retries "$RETRIES"
 [[ -z "$SRC" || -z "$GIT" ]] || die "give either --src or --git, not both"
 if [[ -z "$GIT" ]]; then
   SRC="${SRC:-$ROOT}"
@@ -211,9 +204,8 @@ attempt=0
 while :; do  # a job that exits 143 (preempted after its checkpoint: distill resumes) runs again on the slice
   status=0
   run "${GC[@]}" ssh "$NAME" "${WHERE[@]}" --worker=all --command="$REMOTE_RUN" || status=$?
-  if [[ $status -eq 143 && $attempt -lt $RETRIES ]]; then
+  if should_retry "$status" "$attempt" "$RETRIES"; then
     attempt=$(( attempt + 1 ))
-    echo "$PROG: exit status 143 (preempted, checkpoint saved): resuming, retry $attempt of $RETRIES" >&2
     continue
   fi
   break
