@@ -17,7 +17,7 @@ from d2f_jax.train import config as config_lib
 from d2f_jax.train.loss_ar import ar_sums, target_mask
 from d2f_jax.train.loss_mdm import mdm_sums, noise_mdm
 from d2f_jax.train.metrics import forward_flops_per_token, train_flops_per_token
-from d2f_jax.train.model import DistillModels, model_config
+from d2f_jax.train.model import TrainModels, model_config
 from d2f_jax.train.optim import OptimSpec
 from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.step import StepSpec, loss_and_grads
@@ -105,7 +105,7 @@ def test_gradient_accumulation_equals_the_whole_batch(objective):
   params = nnx.to_pure_dict(nnx.state(random_model(config, seed=3), nnx.Param))
   tokens, prompt_len = _batch(config)
   batch = {"tokens": jnp.concatenate([tokens, tokens[:1]]), "prompt_len": jnp.concatenate([prompt_len, prompt_len[:1]])}
-  models = DistillModels.create(config, None, teacher=False)
+  models = TrainModels.create(config, None, teacher=False)
   out = []
   for micro in (1, 2):
     spec = StepSpec(models, Schedule(), OptimSpec(), block_size=4, micro_batches=micro, objective=objective)

@@ -65,7 +65,7 @@ _CHILD = textwrap.dedent("""
     from d2f_jax.models import TINY_DREAM, TINY_LLADA, LoraConfig
     from d2f_jax.train import sharding
     from d2f_jax.train.config import DEFAULT_RULES as RULES
-    from d2f_jax.train.model import BASE, DistillModels
+    from d2f_jax.train.model import BASE, TrainModels
     from d2f_jax.train.optim import OptimSpec
     from d2f_jax.train.schedule import Schedule
     from d2f_jax.train.state import create_state
@@ -75,7 +75,7 @@ _CHILD = textwrap.dedent("""
     assert jax.device_count() == 8, jax.devices()
 
     def run(config, lora, mesh, micro):
-      models = DistillModels.create(config, lora)
+      models = TrainModels.create(config, lora)
       model = random_model(config, lora, seed=0)
       frozen = jax.device_put(nnx.to_pure_dict(nnx.state(model, BASE)),
                               sharding.state_shardings(models.abstract_frozen(), mesh, RULES))

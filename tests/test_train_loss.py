@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from d2f_jax.models import TINY_DREAM, TINY_LLADA, LoraConfig, Transformer
-from d2f_jax.train.loss import distill_sums
+from d2f_jax.train.loss_distill import distill_sums
 from d2f_jax.train.masking import noise_batch
-from d2f_jax.train.model import BASE, DistillModels
+from d2f_jax.train.model import BASE, TrainModels
 from d2f_jax.train.optim import OptimSpec
 from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.step import StepSpec, loss_and_grads
@@ -59,7 +59,7 @@ def test_loss_equals_numpy(config):
   model, frozen, trainable, tokens, prompt_len = _setup(config)
   noised = noise_batch(jax.random.PRNGKey(1), tokens, prompt_len, block_size=BLOCK, schedule=Schedule(),
                        mask_token_id=config.mask_token_id)
-  teacher, student = DistillModels.create(config, LORA).modules(trainable, frozen)
+  teacher, student = TrainModels.create(config, LORA).modules(trainable, frozen)
   expected_ce, expected_kl = _numpy_loss(config, model, frozen, noised, prompt_len)
   for chunk in (0, 4):  # chunked logits give the same sums
     fn = jax.jit(lambda n: distill_sums(teacher, student, n, prompt_len, block_size=BLOCK, chunk=chunk))
@@ -84,7 +84,7 @@ def test_eos_padding_is_response_and_the_prompt_stays_clean():
 
 
 def _spec(config, lora, micro, block=BLOCK):
-  return StepSpec(models=DistillModels.create(config, lora), schedule=Schedule(), optim=OptimSpec(),
+  return StepSpec(models=TrainModels.create(config, lora), schedule=Schedule(), optim=OptimSpec(),
                   block_size=block, micro_batches=micro)
 
 

@@ -52,7 +52,7 @@ def train_program(config, devices: list, *, attention: str | None = None) -> Pro
   from flax import nnx
 
   from d2f_jax.train import objectives, sharding
-  from d2f_jax.train.model import DistillModels
+  from d2f_jax.train.model import TrainModels
   from d2f_jax.train.state import abstract_state
   from d2f_jax.train.step import compiled_train_step, spec_from_config
   from d2f_jax.train.trainer import lora_config
@@ -60,7 +60,7 @@ def train_program(config, devices: list, *, attention: str | None = None) -> Pro
   mc = model_config_of(config, attention)
   mesh = sharding.make_mesh(config.mesh, devices)
   rules = rules_of(config)
-  models = DistillModels.create(mc, lora_config(config), config.train_dtype,
+  models = TrainModels.create(mc, lora_config(config), config.train_dtype,
                                 teacher=objectives.get(config.objective).teacher)
   spec = spec_from_config(config, models, mesh, rules)
   shards = math.prod(mesh.shape[a] for a in _axes(spec.batch_sharding.spec[0]))

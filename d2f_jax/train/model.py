@@ -29,8 +29,9 @@ BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillModels:
-  """The static half of teacher + student (configs and graphs); hashable, so a jit static argument.
+class TrainModels:
+  """The static half of the models an objective trains (student, and the frozen teacher for distill: configs
+  and graphs); hashable, so a jit static argument.
 
   teacher=False (mdm, ar): no teacher module; the frozen tree is the LoRA base, or empty in full fine-tuning.
   """
@@ -44,7 +45,7 @@ class DistillModels:
 
   @classmethod
   def create(cls, config: ModelConfig, lora: LoraConfig | None, train_dtype: str = "float32", *,
-             teacher: bool = True) -> "DistillModels":
+             teacher: bool = True) -> "TrainModels":
     teacher_graph = nnx.split(_abstract(config, None))[0]
     student_graph = nnx.split(_abstract(config, lora), BASE, nnx.LoRAParam)[0] if lora else teacher_graph
     return cls(config, lora, train_dtype, teacher_graph, student_graph, teacher)
@@ -133,7 +134,7 @@ def with_remat(config: ModelConfig, remat: bool) -> ModelConfig:
   return config
 
 
-def load_base(models: DistillModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
+def load_base(models: TrainModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
   """Base parameters laid out with `shardings`: restored from a converted directory, streamed from an HF
   checkpoint, or (no path) randomly initialised on the devices."""
   dtype = models.config.param_dtype
@@ -150,7 +151,7 @@ def load_base(models: DistillModels, path: str | None, seed: int, shardings: dic
   return sharding.host_to_global(params, shardings)
 
 
-def init_trainable(models: DistillModels, base: dict | None, seed: int) -> dict:
+def init_trainable(models: TrainModels, base: dict | None, seed: int) -> dict:
   """Fresh trainable parameters (traced; call inside jit): PEFT-style LoRA (B = 0, so the student starts as
   the teacher), a `train_dtype` copy of the base, or (full fine-tune, base None) a random init drawn
   directly in `train_dtype` (the same draws load_base(path=None) makes, at full precision)."""
@@ -172,7 +173,7 @@ def gather_to_host(tree) -> Any:
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
-def export_student(out_dir: str, models: DistillModels, trainable: dict, *, base_dir: str | None = None,
+def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_dir: str | None = None,
                    aux_dir: str | None = None) -> str | None:
   """The trained student in the PyTorch ecosystem's format: a PEFT adapter directory (LoRA) or a Hugging Face
   checkpoint in the base's dtype with its tokenizer (full fine-tune; the tokenizer and side files come from

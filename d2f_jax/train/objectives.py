@@ -5,7 +5,7 @@ targets; every leaf keeps the batch axis first so microbatches can split it), ho
 (`sums`: 'ce' is the differentiated numerator), which sum is the denominator of the mean loss, and how sums
 become metrics. Sums, not means, cross microbatches and shards, so accumulation is exact.
 
-  distill  D2F asymmetric distillation: block-causal student vs a frozen bidirectional teacher (loss.py)
+  distill  D2F asymmetric distillation: block-causal student vs a frozen bidirectional teacher (loss_distill.py)
   mdm      LLaDA masked diffusion, bidirectional, 1/t weighted, per response token (loss_mdm.py)
   ar       causal next-token prediction up to the first EOS (loss_ar.py)
 """
@@ -18,7 +18,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from d2f_jax.train import loss_ar, loss_mdm
-from d2f_jax.train.loss import distill_sums
+from d2f_jax.train.loss_distill import distill_sums
 from d2f_jax.train.masking import noise_batch
 
 

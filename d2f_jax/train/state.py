@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from d2f_jax.train import sharding
-from d2f_jax.train.model import DistillModels, _pure_abstract, init_trainable
+from d2f_jax.train.model import TrainModels, _pure_abstract, init_trainable
 from d2f_jax.train.optim import OptimSpec, make_optimizer
 
 
@@ -37,7 +37,7 @@ class TrainState:
 
 
 @functools.lru_cache(maxsize=16)
-def state_shardings(models: DistillModels, optim: OptimSpec, mesh: Mesh, rules: sharding.Rules) -> TrainState:
+def state_shardings(models: TrainModels, optim: OptimSpec, mesh: Mesh, rules: sharding.Rules) -> TrainState:
   """Shardings of every TrainState leaf: params by their logical axes, Adam moments like their params,
   counters and the RNG replicated."""
   abstract = models.abstract_trainable()
@@ -49,7 +49,7 @@ def state_shardings(models: DistillModels, optim: OptimSpec, mesh: Mesh, rules: 
   return TrainState(step=rep, params=params, opt_state=opt_state, rng=rep)
 
 
-def abstract_state(models: DistillModels, optim: OptimSpec, mesh: Mesh, rules: sharding.Rules) -> TrainState:
+def abstract_state(models: TrainModels, optim: OptimSpec, mesh: Mesh, rules: sharding.Rules) -> TrainState:
   """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
   params = _pure_abstract(models.abstract_trainable())
   shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
@@ -58,7 +58,7 @@ def abstract_state(models: DistillModels, optim: OptimSpec, mesh: Mesh, rules: s
   return sharding.abstract_with(shapes, state_shardings(models, optim, mesh, rules))
 
 
-def create_state(models: DistillModels, optim: OptimSpec, base: dict | None, seed: int, mesh: Mesh,
+def create_state(models: TrainModels, optim: OptimSpec, base: dict | None, seed: int, mesh: Mesh,
                  rules: sharding.Rules) -> TrainState:
   """A fresh state, computed on the devices directly into its shardings. `base`: the base weights (LoRA,
   or the starting point of a full fine-tune), or None for a random full-model init."""

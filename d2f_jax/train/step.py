@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from d2f_jax.sharding_hints import MeshLayout, batch_sharded_activations, layout_from_rules, mesh_layout
 from d2f_jax.train import objectives, sharding
-from d2f_jax.train.model import DistillModels
+from d2f_jax.train.model import TrainModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
 from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.state import TrainState, state_shardings
@@ -29,7 +29,7 @@ from d2f_jax.train.state import TrainState, state_shardings
 class StepSpec:
   """Everything static about a step; hashable, so equal specs share one compiled program."""
 
-  models: DistillModels
+  models: TrainModels
   schedule: Schedule
   optim: OptimSpec
   block_size: int
@@ -44,7 +44,7 @@ class StepSpec:
 
   def __post_init__(self):
     if objectives.get(self.objective).teacher and not self.models.teacher:
-      raise ValueError(f"objective {self.objective!r} needs a teacher: DistillModels.create(..., teacher=True)")
+      raise ValueError(f"objective {self.objective!r} needs a teacher: TrainModels.create(..., teacher=True)")
 
   @contextlib.contextmanager
   def traced_layout(self):
@@ -65,7 +65,7 @@ class StepSpec:
     return objectives.get(self.objective)
 
 
-def spec_from_config(config, models: DistillModels, mesh: Mesh, rules: sharding.Rules) -> StepSpec:
+def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Rules) -> StepSpec:
   """The StepSpec of a run config on `mesh`: what the Trainer compiles, and so what `python -m d2f_jax.aot`
   compiles for a target (one function, so the check cannot drift from the run)."""
   return StepSpec(models=models, schedule=Schedule(**config.schedule.to_dict()),

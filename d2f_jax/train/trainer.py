@@ -31,7 +31,7 @@ from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
 from d2f_jax.train import objectives, sharding
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
-from d2f_jax.train.model import DistillModels, export_student, load_base, model_config
+from d2f_jax.train.model import TrainModels, export_student, load_base, model_config
 from d2f_jax.train.state import abstract_state, create_state
 from d2f_jax.train.step import compiled_eval, compiled_train_step, spec_from_config, summarize
 from d2f_jax.train.synthetic import ensure_synthetic
@@ -127,7 +127,7 @@ class Trainer:
     with model_cfg.unlocked():
       model_cfg.path = self.model_path
     obj = objectives.get(c.objective)
-    self.models = DistillModels.create(model_config(model_cfg, remat=c.remat), lora_config(c), c.train_dtype,
+    self.models = TrainModels.create(model_config(model_cfg, remat=c.remat), lora_config(c), c.train_dtype,
                                        teacher=obj.teacher)
     self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
     self.frozen = self._load_base() if self.models.keeps_base else {}
