@@ -28,12 +28,14 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict(dict(embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32,
                                            mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-6))
   c.batch_size = 32
-  # Stage lengths in optimizer steps; learning rates are toy-scale (tiny model).
-  c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60, decay="constant"))
-  c.teacher = ml_collections.ConfigDict(dict(steps=700, lr=1e-3, warmup=30, decay="constant"))
+  # Stage lengths in optimizer steps; learning rates are toy-scale (tiny model). Cosine decay to 0 (not the
+  # reference's constant rate): measured on the teacher from one AR model, 700 MDM steps constant 45.3 % ->
+  # cosine 62.5 %, 1400 cosine 71.9 % vanilla exact match.
+  c.ar = ml_collections.ConfigDict(dict(steps=800, lr=2e-3, warmup=60, decay="cosine"))
+  c.teacher = ml_collections.ConfigDict(dict(steps=1300, lr=1e-3, warmup=30, decay="cosine"))
   c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32,
-                                               decay="constant"))
-  c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="constant"))  # 0: skipped
+                                               decay="cosine"))
+  c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="cosine"))  # 0: skipped
   c.block_size = 8
   c.max_new_tokens = 40  # longest solution (39 tokens + EOS) in whole blocks
   # D2F threshold sweep: (tau_add, tau_act, tau_conf); the first is the paper's default.
