@@ -294,3 +294,16 @@ def test_score_stderr_matches_lm_evals_and_a_hand_value():
 def test_builtin_tasks_say_which_protocol_they_follow():
   assert "built-in" in gsm8k.Gsm8kTask().options()["protocol"]
   assert "not lm-eval's gsm8k" in gsm8k.Gsm8kTask().options()["protocol"]
+
+
+def test_data_directory_is_the_env_var_else_the_user_data_dir(monkeypatch, tmp_path):
+  from d2f_jax import datafiles
+  monkeypatch.setenv("D2F_DATA_DIR", str(tmp_path))
+  assert datafiles.default_path("gsm8k_test.jsonl") == str(tmp_path / "gsm8k_test.jsonl")
+  with pytest.raises(FileNotFoundError, match="D2F_DATA_DIR"):  # a missing default file says where it looked
+    datafiles.read_jsonl(datafiles.default_path("gsm8k_test.jsonl"))
+  monkeypatch.delenv("D2F_DATA_DIR")
+  monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+  assert datafiles.data_dir() == tmp_path / "xdg" / "d2f_jax"
+  monkeypatch.delenv("XDG_DATA_HOME")
+  assert str(datafiles.data_dir()).endswith(".local/share/d2f_jax")
