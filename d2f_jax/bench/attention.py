@@ -17,28 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from d2f_jax import datasheets
 from d2f_jax.reporting import write_report
 from d2f_jax.kernels import flash_attention, window_attention, window_attention_reference
 from d2f_jax.kernels.reference import PAD_ID, attention_reference
 from d2f_jax.models.attention import attention_ids
 from d2f_jax.train.metrics import measure_matmul_flops
 
-# Dense bf16 TFLOP/s and HBM GB/s per chip, from the vendors' datasheets. Matched on device_kind, first hit.
-ROOFLINES = [
-    ("h200", "H200", 989.0, 4800.0),
-    ("h100 pcie", "H100 PCIe", 756.0, 2000.0),
-    ("h100", "H100 SXM", 989.0, 3350.0),
-    ("a100-pcie-40gb", "A100 40GB PCIe", 312.0, 1555.0),
-    ("a100-sxm4-40gb", "A100 40GB SXM", 312.0, 1555.0),
-    ("a100", "A100 80GB", 312.0, 2039.0),
-    ("v6 lite", "TPU v6e", 918.0, 1640.0),
-    ("v6e", "TPU v6e", 918.0, 1640.0),
-    ("v5 lite", "TPU v5e", 197.0, 819.0),
-    ("v5e", "TPU v5e", 197.0, 819.0),
-    ("v5p", "TPU v5p", 459.0, 2765.0),
-    ("v5", "TPU v5p", 459.0, 2765.0),
-    ("v4", "TPU v4", 275.0, 1200.0),
-]
 MODELS = {"llada-8b": (32, 32), "dream-7b": (28, 4)}  # (query heads, kv heads); head_dim 128 for both
 QUICK_MODELS = {"llada-like": (4, 4), "dream-like": (7, 1)}
 
@@ -58,9 +43,10 @@ def roofline(iters: int = 3) -> dict:
   device = jax.devices()[0]
   kind = getattr(device, "device_kind", str(device))
   if device.platform != "cpu":
-    for key, name, tflops, gbps in ROOFLINES:
-      if key in kind.lower():
-        return dict(device=name, device_kind=kind, peak_tflops=tflops, peak_gbps=gbps, source="datasheet")
+    sheet = datasheets.for_device_kind(kind)
+    if sheet is not None:
+      return dict(device=sheet.name, device_kind=kind, peak_tflops=sheet.bf16_tflops, peak_gbps=sheet.hbm_gbps,
+                  source="datasheet")
     return dict(device=kind, device_kind=kind, peak_tflops=None, peak_gbps=None, source="unknown device")
   flops = measure_matmul_flops(n=1024, repeats=iters)
   big = jnp.ones((32 * 2 ** 20,), jnp.float32)  # 128 MiB, read once per call

@@ -12,10 +12,12 @@ point, and they follow from the measured tokens per forward and window widths.
 
 from __future__ import annotations
 
+from d2f_jax import datasheets
 from d2f_jax.models import LLADA_8B, ModelConfig
 
-# Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s) from the vendors' data sheets.
-DEVICES = {"H100 SXM": (989e12, 3.35e12), "TPU v5p": (459e12, 2.765e12)}
+# Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s), from d2f_jax/datasheets.json.
+DEVICES = {name: (datasheets.by_name(name).bf16_tflops * 1e12, datasheets.by_name(name).hbm_gbps * 1e9)
+           for name in ("H100 SXM", "TPU v5p")}
 BYTES = 2  # bf16
 
 
