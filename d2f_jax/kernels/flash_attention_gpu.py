@@ -37,6 +37,16 @@ def _visible(q_ids, k_ids, k_start, kv_len, kv_padded):
   return mask
 
 
+def _over_visible_key_tiles(k_ids_ref, q_max, block_k: int, kv_size: int, visit, init):
+  """fori over the key tiles of [S] ids, calling visit(start, k_ids, carry) only on tiles some query of the
+  tile can see (min key id <= q_max); the rest are skipped, which is what makes block-causal cheap."""
+  def body(j, carry):
+    start = pl.multiple_of(j * block_k, block_k)
+    k_ids = k_ids_ref[pl.ds(start, block_k)]
+    return lax.cond(jnp.min(k_ids) <= q_max, lambda c: visit(start, k_ids, c), lambda c: c, carry)
+  return lax.fori_loop(0, kv_size // block_k, body, init)
+
+
 def _forward_kernel(q_ref, q_ids_ref, k_ref, v_ref, k_ids_ref, o_ref, lse_ref, *, scale, block_k, q_len,
                     kv_len, precision):
   # q_ref: [bq, D]; q_ids_ref: [bq]; k_ref, v_ref: [S, D] (kv head h // G); k_ids_ref: [S]
@@ -47,22 +57,16 @@ def _forward_kernel(q_ref, q_ids_ref, k_ref, v_ref, k_ids_ref, o_ref, lse_ref, *
   q_ids = q_ids_ref[...]
   q_max = _query_tile_max(q_ids, pl.program_id(2) * block_q, q_len)
 
-  def body(j, carry):
-    start = pl.multiple_of(j * block_k, block_k)
-    k_ids = k_ids_ref[pl.ds(start, block_k)]
-
-    def attend(carry):
-      k = k_ref[pl.ds(start, block_k), :]
-      v = v_ref[pl.ds(start, block_k), :]
-      s = matmul(q, k, trans_b=True, precision=precision) * scale  # [bq, bk]
-      s = jnp.where(_visible(q_ids, k_ids, start, kv_len, kv_size != kv_len), s, MASK_VALUE)
-      return online_softmax_step(*carry, s, v, precision)
-
-    return lax.cond(jnp.min(k_ids) <= q_max, attend, lambda c: c, carry)
+  def attend(start, k_ids, carry):
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = matmul(q, k, trans_b=True, precision=precision) * scale  # [bq, bk]
+    s = jnp.where(_visible(q_ids, k_ids, start, kv_len, kv_size != kv_len), s, MASK_VALUE)
+    return online_softmax_step(*carry, s, v, precision)
 
   init = (jnp.full((block_q, 1), -jnp.inf, jnp.float32), jnp.zeros((block_q, 1), jnp.float32),
           jnp.zeros((block_q, head_dim), jnp.float32))
-  m, l, acc = lax.fori_loop(0, kv_size // block_k, body, init)
+  m, l, acc = _over_visible_key_tiles(k_ids_ref, q_max, block_k, kv_size, attend, init)
   o_ref[...] = finalize(l, acc).astype(o_ref.dtype)
   lse_ref[...] = jnp.squeeze(log_sum_exp(m, l), 1)
 
@@ -151,21 +155,16 @@ def _dq_kernel(q_ref, q_ids_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, k_ids
   delta = delta_ref[...][:, None]
   q_max = _query_tile_max(q_ids, pl.program_id(2) * block_q, q_len)
 
-  def body(j, dq):
-    start = pl.multiple_of(j * block_k, block_k)
-    k_ids = k_ids_ref[pl.ds(start, block_k)]
+  def accumulate(start, k_ids, dq):
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = matmul(q, k, trans_b=True, precision=precision) * scale
+    p = jnp.where(_visible(q_ids, k_ids, start, kv_len, kv_size != kv_len), jnp.exp(s - lse), 0.0)
+    ds = p * (matmul(do, v, trans_b=True, precision=precision) - delta) * scale
+    return dq + matmul(ds.astype(k.dtype), k, precision=precision)
 
-    def accumulate(dq):
-      k = k_ref[pl.ds(start, block_k), :]
-      v = v_ref[pl.ds(start, block_k), :]
-      s = matmul(q, k, trans_b=True, precision=precision) * scale
-      p = jnp.where(_visible(q_ids, k_ids, start, kv_len, kv_size != kv_len), jnp.exp(s - lse), 0.0)
-      ds = p * (matmul(do, v, trans_b=True, precision=precision) - delta) * scale
-      return dq + matmul(ds.astype(k.dtype), k, precision=precision)
-
-    return lax.cond(jnp.min(k_ids) <= q_max, accumulate, lambda c: c, dq)
-
-  dq = lax.fori_loop(0, kv_size // block_k, body, jnp.zeros((block_q, head_dim), jnp.float32))
+  dq = _over_visible_key_tiles(k_ids_ref, q_max, block_k, kv_size, accumulate,
+                               jnp.zeros((block_q, head_dim), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
