@@ -22,3 +22,20 @@ should_retry() {  # exit status, retries used so far, --retries: true (and says 
   fi
   return 1
 }
+
+parse_flags() {  # "$@" of the script: fills the variables that VALUE_FLAGS / SWITCHES (associative arrays,
+  # flag -> variable name; declared by the script) name, and EXTRA with the words after "--"
+  while [[ $# -gt 0 ]]; do
+    if [[ -n "$1" && -n "${VALUE_FLAGS[$1]+set}" ]]; then
+      need_value "$1" $# "${2-}"; printf -v "${VALUE_FLAGS[$1]}" '%s' "$2"; shift 2
+    elif [[ -n "$1" && -n "${SWITCHES[$1]+set}" ]]; then
+      printf -v "${SWITCHES[$1]}" '%s' 1; shift
+    else
+      case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --) shift; EXTRA=("$@"); return 0 ;;
+        *) die "unknown argument '$1'" ;;
+      esac
+    fi
+  done
+}

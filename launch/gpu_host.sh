@@ -51,27 +51,12 @@ source "$ROOT/launch/common.sh"
 CONFIG="" WORKDIR="" EVAL=0 COMMAND="" VENV="" CUDA="12" GPUS="" SKIP_INSTALL=0 LOGS="logs/gpu"
 NUM_HOSTS=1 HOST_INDEX="" COORDINATOR="" DRY_RUN=0 RETRIES=3
 EXTRA=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --config) need_value "$1" $# "${2-}"; CONFIG="$2"; shift 2 ;;
-    --workdir) need_value "$1" $# "${2-}"; WORKDIR="$2"; shift 2 ;;
-    --eval) EVAL=1; shift ;;
-    --command) need_value "$1" $# "${2-}"; COMMAND="$2"; shift 2 ;;
-    --venv) need_value "$1" $# "${2-}"; VENV="$2"; shift 2 ;;
-    --cuda) need_value "$1" $# "${2-}"; CUDA="$2"; shift 2 ;;
-    --gpus) need_value "$1" $# "${2-}"; GPUS="$2"; shift 2 ;;
-    --skip_install|--skip-install) SKIP_INSTALL=1; shift ;;
-    --logs) need_value "$1" $# "${2-}"; LOGS="$2"; shift 2 ;;
-    --num_hosts|--num-hosts) need_value "$1" $# "${2-}"; NUM_HOSTS="$2"; shift 2 ;;
-    --host_index|--host-index) need_value "$1" $# "${2-}"; HOST_INDEX="$2"; shift 2 ;;
-    --coordinator) need_value "$1" $# "${2-}"; COORDINATOR="$2"; shift 2 ;;
-    --retries) need_value "$1" $# "${2-}"; RETRIES="$2"; shift 2 ;;
-    --dry-run|--dry_run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; EXTRA=("$@"); break ;;
-    *) die "unknown argument '$1'" ;;
-  esac
-done
+declare -A VALUE_FLAGS=([--config]=CONFIG [--workdir]=WORKDIR [--command]=COMMAND [--venv]=VENV [--cuda]=CUDA \
+  [--gpus]=GPUS [--logs]=LOGS [--num_hosts]=NUM_HOSTS [--num-hosts]=NUM_HOSTS [--host_index]=HOST_INDEX \
+  [--host-index]=HOST_INDEX [--coordinator]=COORDINATOR [--retries]=RETRIES)
+declare -A SWITCHES=([--eval]=EVAL [--skip_install]=SKIP_INSTALL [--skip-install]=SKIP_INSTALL [--dry-run]=DRY_RUN \
+  [--dry_run]=DRY_RUN)
+parse_flags "$@"
 
 # --- validation -------------------------------------------------------------------------------------
 modes=$(( (${#CONFIG} > 0) + EVAL + (${#COMMAND} > 0) ))

@@ -51,29 +51,11 @@ source "$ROOT/launch/common.sh"
 NAME="" ZONE="" ACCEL="" PROJECT="" VERSION="" SPOT=0 SRC="" GIT="" REF="main" CONFIG="" WORKDIR="" RETRIES=3
 COMMAND="" LOGS="" KEEP=0 DRY_RUN=0
 EXTRA=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --name) need_value "$1" $# "${2-}"; NAME="$2"; shift 2 ;;
-    --zone) need_value "$1" $# "${2-}"; ZONE="$2"; shift 2 ;;
-    --accelerator|--accelerator-type) need_value "$1" $# "${2-}"; ACCEL="$2"; shift 2 ;;
-    --project) need_value "$1" $# "${2-}"; PROJECT="$2"; shift 2 ;;
-    --version) need_value "$1" $# "${2-}"; VERSION="$2"; shift 2 ;;
-    --spot) SPOT=1; shift ;;
-    --src) need_value "$1" $# "${2-}"; SRC="$2"; shift 2 ;;
-    --git) need_value "$1" $# "${2-}"; GIT="$2"; shift 2 ;;
-    --ref) need_value "$1" $# "${2-}"; REF="$2"; shift 2 ;;
-    --retries) need_value "$1" $# "${2-}"; RETRIES="$2"; shift 2 ;;
-    --config) need_value "$1" $# "${2-}"; CONFIG="$2"; shift 2 ;;
-    --workdir) need_value "$1" $# "${2-}"; WORKDIR="$2"; shift 2 ;;
-    --command) need_value "$1" $# "${2-}"; COMMAND="$2"; shift 2 ;;
-    --logs) need_value "$1" $# "${2-}"; LOGS="$2"; shift 2 ;;
-    --keep) KEEP=1; shift ;;
-    --dry-run|--dry_run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    --) shift; EXTRA=("$@"); break ;;
-    *) die "unknown argument '$1'" ;;
-  esac
-done
+declare -A VALUE_FLAGS=([--name]=NAME [--zone]=ZONE [--accelerator]=ACCEL [--accelerator-type]=ACCEL \
+  [--project]=PROJECT [--version]=VERSION [--src]=SRC [--git]=GIT [--ref]=REF [--retries]=RETRIES [--config]=CONFIG \
+  [--workdir]=WORKDIR [--command]=COMMAND [--logs]=LOGS)
+declare -A SWITCHES=([--spot]=SPOT [--keep]=KEEP [--dry-run]=DRY_RUN [--dry_run]=DRY_RUN)
+parse_flags "$@"
 
 # --- validation -------------------------------------------------------------------------------------
 [[ -n "$NAME" ]] || die "--name is required"
