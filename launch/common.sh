@@ -1,5 +1,6 @@
-# Shared by the launchers (sourced, never run): argument errors and checks, and the rerun-after-preemption
-# rule. The sourcing script sets PROG (its name, for messages) before calling any of these.
+# Shared by the launchers (sourced, never run): argument parsing, errors and checks, the dry-run-aware
+# `run`, and the rerun-after-preemption rule. The sourcing script sets PROG (its name, for messages)
+# before calling any of these.
 
 die() {  # message...: one error line naming the script, a pointer to --help, exit 2
   echo "$PROG: error: $*" >&2
@@ -38,4 +39,13 @@ parse_flags() {  # "$@" of the script: fills the variables that VALUE_FLAGS / SW
       esac
     fi
   done
+}
+
+run() {  # print (DRY_RUN=1) or run one command, shown shell-quoted
+  if [[ $DRY_RUN -eq 1 ]]; then
+    printf '+'; printf ' %q' "$@"; printf '\n'
+  else
+    { printf '+'; printf ' %q' "$@"; printf '\n'; } >&2
+    "$@"
+  fi
 }

@@ -101,14 +101,6 @@ if [[ $DRY_RUN -eq 0 ]]; then
 fi
 
 # --- commands ------------------------------------------------------------------------------------------
-run() {  # print (dry run) or run one command, shown shell-quoted
-  if [[ $DRY_RUN -eq 1 ]]; then
-    printf '+'; printf ' %q' "$@"; printf '\n'
-  else
-    { printf '+'; printf ' %q' "$@"; printf '\n'; } >&2
-    "$@"
-  fi
-}
 setenv() {  # export NAME=VALUE, printed in a dry run
   if [[ $DRY_RUN -eq 1 ]]; then
     printf '+ export %s=%q\n' "$1" "$2"

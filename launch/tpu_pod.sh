@@ -111,14 +111,6 @@ if [[ $DRY_RUN -eq 0 ]]; then
 fi
 
 # --- commands ------------------------------------------------------------------------------------------
-run() {  # print (dry run) or run one command, shown shell-quoted
-  if [[ $DRY_RUN -eq 1 ]]; then
-    printf '+'; printf ' %q' "$@"; printf '\n'
-  else
-    { printf '+'; printf ' %q' "$@"; printf '\n'; } >&2
-    "$@"
-  fi
-}
 
 GC=(gcloud compute tpus tpu-vm)
 WHERE=(--zone="$ZONE")
