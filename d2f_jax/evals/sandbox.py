@@ -26,6 +26,10 @@ test passes iff the host reads back exactly that token. Threat model (bubblewrap
     torn down when the launcher ends or the wall timeout kills bwrap.
   Not covered: a kernel exploit; the tests themselves are trusted (they come with the benchmark).
 Whole programs (`run`, the author is the one judged) pass when the launcher reaches the end of them.
+
+This module: the options, their checks, describe() and the bubblewrap probe. The runs' processes, pipes
+and token are sandbox_exec.py's; TestProgram and ExecResult are sandbox_result.py's; the child side is
+sandbox_launcher.py.
 """
 
 from __future__ import annotations
@@ -33,29 +37,22 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import math
 import os
-import secrets
-import select
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
 
-from d2f_jax.evals import sandbox_bwrap
+from d2f_jax.evals import sandbox_bwrap, sandbox_exec
 from d2f_jax.evals.sandbox_bwrap import BubblewrapUnavailable
+from d2f_jax.evals.sandbox_result import ExecResult, TestProgram
 
 __all__ = ["Sandbox", "ExecResult", "TestProgram", "BubblewrapUnavailable", "bubblewrap_unavailable_reason",
            "ISOLATIONS"]
 
-_LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
-NOBODY = (65534, 65534)
 ISOLATIONS = ("bubblewrap", "process")
 
 
@@ -63,56 +60,10 @@ class ProcessIsolationWarning(UserWarning):
   """isolation='process' was chosen: generated code is not contained."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TestProgram:
-  """A test to judge: `candidate` (prompt + completion) defines `entry_point`; `tests` defines check()."""
-
-  __test__ = False  # not a pytest class
-
-  candidate: str
-  tests: str
-  entry_point: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecResult:
-  """Outcome of one run: 'passed' (the verdict channel said so), 'failed' or 'timeout'."""
-
-  status: str
-  returncode: int | None
-  seconds: float
-  stdout: str
-  stderr: str
-
-  @property
-  def passed(self) -> bool:
-    return self.status == "passed"
-
-  @property
-  def reason(self) -> str:
-    """One line saying why a run did not pass: the exception, the signal or the timeout."""
-    if self.status == "passed":
-      return "passed"
-    if self.status == "timeout":
-      return f"timed out after {self.seconds:.1f}s"
-    code = self.returncode
-    signum = -code if code is not None and code < 0 else (code - 128 if code is not None and code > 128 else 0)
-    lines = [line for line in self.stderr.strip().splitlines() if line.strip()]
-    if signum:
-      try:
-        name = signal.Signals(signum).name
-      except ValueError:
-        name = f"signal {signum}"
-      hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)"}.get(name, "")
-      if not lines or code < 0:
-        return f"killed by {name}{hint}"
-    return lines[-1].strip() if lines else f"exit code {code} without a verdict"
-
-
 def bubblewrap_unavailable_reason(python: str | None = None) -> str | None:
   """None when the bubblewrap sandbox works on this host, else the reason (for skips and error messages)."""
   try:
-    return sandbox_bwrap.probe(sandbox_bwrap.base_interpreter(python))
+    return _bubblewrap_reason(sandbox_bwrap.base_interpreter(python))
   except BubblewrapUnavailable as e:
     return str(e)
 
@@ -177,7 +128,7 @@ class Sandbox:
       raise ValueError(f"Sandbox.python {self.python!r} is not an executable interpreter")
     if self.isolation == "bubblewrap":
       self.python = sandbox_bwrap.base_interpreter(self.python)
-      reason = None if self._probe else sandbox_bwrap.probe(self.python)
+      reason = None if self._probe else _bubblewrap_reason(self.python)
       if reason is not None:
         raise BubblewrapUnavailable(
             f"the bubblewrap sandbox does not work here: {reason}. Where namespaces are not permitted, pass "
@@ -218,13 +169,13 @@ class Sandbox:
   # ------------------------------------------------------------------------------------------ runs
   def run(self, source: str) -> ExecResult:
     """Run a whole program; 'passed' when it ran to its end without an exception."""
-    return self._run({"program": {"mode": "program", "source": source}}, main="program")
+    return sandbox_exec.run(self, {"program": {"mode": "program", "source": source}}, main="program")
 
   def run_test(self, test: TestProgram) -> ExecResult:
     """Judge one test: 'passed' only if the judge's token came back after check() returned."""
-    return self._run({"judge": {"mode": "judge", "source": test.tests, "entry_point": test.entry_point},
-                      "candidate": {"mode": "serve", "source": test.candidate, "entry_point": test.entry_point}},
-                     main="judge")
+    roles = {"judge": {"mode": "judge", "source": test.tests, "entry_point": test.entry_point},
+             "candidate": {"mode": "serve", "source": test.candidate, "entry_point": test.entry_point}}
+    return sandbox_exec.run(self, roles, main="judge")
 
   def run_many(self, jobs: list, workers: int = 1) -> list[ExecResult]:
     """Run programs (str) or tests (TestProgram) `workers` at a time; results in the order given."""
@@ -234,11 +185,12 @@ class Sandbox:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       return list(pool.map(one, jobs))
 
-  # ------------------------------------------------------------------------------------- internals
+  # ---------------------------------------------------------------------------------------- limits
   def _cpu_seconds(self) -> int:
     return int(math.ceil(self.timeout_s)) + 1
 
-  def _limits(self, untrusted: bool) -> dict:
+  def rlimits(self, untrusted: bool) -> dict:
+    """The launcher's resource limits for one role (`untrusted`: the candidate's or a whole program's)."""
     # Only binding for a user other than host root (the kernel exempts root), and counted per user: under
     # bubblewrap per fresh user namespace; in the fallback across every process `nobody` runs.
     binds = self.isolation == "bubblewrap" or (self.drop_privileges and untrusted)
@@ -246,154 +198,20 @@ class Sandbox:
             "RLIMIT_FSIZE": self.file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": self.max_open_files,
             "RLIMIT_NPROC": self.max_processes if binds else None}
 
-  def _run(self, roles: dict, main: str) -> ExecResult:
-    outer = tempfile.mkdtemp(prefix="d2f_sandbox_")
-    procs, host_fds = {}, []
-    try:
-      os.chmod(outer, 0o711)
-      token = secrets.token_hex(16)
-      verdict_r, verdict_w = os.pipe()
-      host_fds.append(verdict_r)
-      child_fds = {name: [] for name in roles}
-      if "candidate" in roles:
-        request_r, request_w = os.pipe()
-        reply_r, reply_w = os.pipe()
-        roles["judge"].update(request_fd=request_w, reply_fd=reply_r, verdict_fd=verdict_w, token=token)
-        roles["candidate"].update(request_fd=request_r, reply_fd=reply_w)
-        child_fds["judge"] += [request_w, reply_r, verdict_w]
-        child_fds["candidate"] += [request_r, reply_w]
-      else:
-        roles[main]["status_fd"] = verdict_w
-        child_fds[main].append(verdict_w)
-      start = time.perf_counter()
-      try:
-        for name in sorted(roles, key=lambda n: n != "candidate"):  # the server first
-          procs[name] = self._spawn(outer, name, roles[name], tuple(child_fds[name]), untrusted=name != "judge")
-      finally:
-        for fds in child_fds.values():
-          for fd in fds:
-            os.close(fd)
-      timed_out = not _wait(procs[main][0], max(0.0, self.timeout_s - (time.perf_counter() - start)))
-      seconds = time.perf_counter() - start
-      _kill_all(procs)
-      os.set_blocking(verdict_r, False)
-      try:
-        said = os.read(verdict_r, 256)
-      except BlockingIOError:
-        said = b""
-      expected = token.encode() if "candidate" in roles else b"done"
-      returncode = procs[main][0].returncode
-      status = "timeout" if timed_out else ("passed" if said == expected else "failed")
-      order = [n for n in ("candidate", main) if n in procs]
-      return ExecResult(status=status, returncode=returncode, seconds=seconds,
-                        stdout="".join(_tail(procs[n][1], self.output_chars) for n in order)[-self.output_chars:],
-                        stderr="".join(_tail(procs[n][2], self.output_chars) for n in order)[-self.output_chars:])
-    finally:
-      _kill_all(procs)
-      for fd in host_fds:
-        os.close(fd)
-      shutil.rmtree(outer, ignore_errors=True)
 
-  def _spawn(self, outer: str, name: str, job: dict, fds: tuple, untrusted: bool):
-    home = os.path.join(outer, name)
-    os.mkdir(home, 0o700)
-    out_path, err_path = os.path.join(outer, f"{name}.out"), os.path.join(outer, f"{name}.err")
-    job = dict(job, limits=self._limits(untrusted), uid=None, gid=None, guards=False)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-    extra_fds: tuple = ()
-    if self.isolation == "bubblewrap":
-      os.chmod(home, 0o755)
-      root = os.geteuid() == 0
-      job.update(workdir=sandbox_bwrap.WORKDIR)
-      if root:
-        job.update(uid=sandbox_bwrap.SANDBOX_UID, gid=sandbox_bwrap.SANDBOX_UID)
-        info_r, info_w = os.pipe()
-        block_r, block_w = os.pipe()
-        extra_fds = (info_w, block_r)
-      job_path = _write_job(home, job, 0o644)
-      command = sandbox_bwrap.command(self.python, launcher=str(_LAUNCHER), job=job_path,
-                                      tmpfs_bytes=self.tmpfs_mb << 20, map_ids_ourselves=root,
-                                      block_fd=extra_fds[1] if root else None,
-                                      info_fd=extra_fds[0] if root else None)
-      cwd = home
-    else:
-      work = os.path.join(home, "work")
-      os.mkdir(work, 0o700)
-      job.update(workdir=work, guards=self.guards and untrusted)
-      launcher = os.path.join(home, "launcher.py")
-      shutil.copyfile(_LAUNCHER, launcher)
-      job_path = _write_job(home, job, 0o600)
-      if self.drop_privileges and untrusted:
-        job.update(uid=NOBODY[0], gid=NOBODY[1])
-        job_path = _write_job(home, job, 0o600)
-        os.chmod(home, 0o711)
-        for path in (work, launcher, job_path):
-          os.chown(path, *NOBODY)
-      command = [self.python, "-I", "-S", "-B", launcher, job_path]
-      if self.network_namespace:
-        command = [shutil.which("unshare"), "-n", "--"] + command
-      env.update(HOME=work, TMPDIR=work)
-      cwd = work
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-      try:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                start_new_session=True, close_fds=True, pass_fds=fds + extra_fds)
-      finally:
-        for fd in extra_fds:
-          os.close(fd)
-    if extra_fds:
-      try:
-        sandbox_bwrap.write_id_maps(info_r, block_w)
-      except (BubblewrapUnavailable, OSError) as e:
-        _kill_group(proc)
-        raise BubblewrapUnavailable(f"{e}; bwrap said: {_tail(err_path, 400).strip()}") from None
-    return proc, out_path, err_path
+# ------------------------------------------------------------------------------------------ probe
+def _bubblewrap_reason(python: str) -> str | None:
+  """None when a bubblewrap sandbox works here for `python`, else why not: bwrap's own checks
+  (sandbox_bwrap.probe), then a trivial program through the real code path."""
+  return sandbox_bwrap.probe(python) or _trial_run(python)
 
 
-def _wait(proc: subprocess.Popen, timeout: float) -> bool:
-  """Wait up to `timeout` s for `proc`; True if it exited. A pidfd wakes at once (Popen.wait polls)."""
+@functools.lru_cache(maxsize=None)
+def _trial_run(python: str) -> str | None:
   try:
-    fd = os.pidfd_open(proc.pid)
-  except (AttributeError, OSError):
-    try:
-      proc.wait(timeout=timeout)
-      return True
-    except subprocess.TimeoutExpired:
-      return False
-  try:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    if not poller.poll(timeout * 1000):
-      return False
-  finally:
-    os.close(fd)
-  proc.wait()
-  return True
-
-
-def _write_job(home: str, job: dict, mode: int) -> str:
-  path = os.path.join(home, "job.json")
-  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w", encoding="utf-8") as f:
-    json.dump(job, f)
-  return path
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-  proc.wait()
-
-
-def _kill_all(procs: dict) -> None:
-  for proc, _, _ in procs.values():
-    _kill_group(proc)
-
-
-def _tail(path: str, chars: int) -> str:
-  with open(path, "rb") as f:
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
-    f.seek(max(0, size - 4 * chars))
-    return f.read().decode("utf-8", errors="replace")[-chars:]
+    result = Sandbox(isolation="bubblewrap", timeout_s=20.0, python=python, _probe=True).run("pass\n")
+  except BubblewrapUnavailable as e:
+    return str(e)
+  if result.passed:
+    return None
+  return f"a trivial program did not run under bwrap: {result.stderr.strip()[-300:] or result.reason}"
