@@ -1,71 +1,36 @@
-"""Safetensors files: read through the `safetensors` library, written by a streaming writer of our own.
+"""Reading safetensors files through the `safetensors` library: validated headers, then tensors by row chunks.
 
-Format: 8-byte little-endian header length N, N bytes of JSON header
-({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}), then raw
-little-endian tensor bytes.
-
-Reading: `read_header` first checks the header itself (so errors name the file and the tensor), then has the
+`read_header` first checks the header itself (so errors name the file and the tensor), then has the
 library validate it (it refuses overlapping, shifted or gapped `data_offsets` and files it does not fully
 cover); tensors are then read with `safe_open(framework="np")` + `get_slice` (ml_dtypes gives bf16), row
 chunk by row chunk, reopening the file per chunk: the library maps the file, and mapped pages count in the
 converter's RSS until the handle is dropped, so at most one chunk's pages stay mapped.
-Writing: the library has no streaming writer, so `write_file` writes one tensor at a time.
+
+The format's definitions (safetensors_format.py) and the writer (safetensors_write.py) are re-exported here,
+so `safetensors_io` stays the one module callers import.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import struct
-from typing import Callable, Sequence
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy, which safe_open(framework="np") needs)
 import numpy as np
 import safetensors
 
-from d2f_jax.convert.errors import ConvertError
+from d2f_jax.convert.safetensors_format import (_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
+                                                TensorInfo, dtype_code)
+from d2f_jax.convert.safetensors_write import TensorSpec, plan_shards, save_file, write_file, write_sharded
 
-INDEX_SUFFIX = ".safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+__all__ = [
+    "DTYPES", "INDEX_SUFFIX", "SINGLE_FILE", "READ_CHUNK_BYTES", "SafetensorsError", "TensorInfo", "dtype_code",
+    "read_header", "CheckpointReader", "find_safetensors", "TensorSpec", "plan_shards", "save_file", "write_file",
+    "write_sharded",
+]
+
 _MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
 READ_CHUNK_BYTES = 32 << 20  # bytes of one tensor read (and mapped) at a time
-
-DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_CODES = {dtype: code for code, dtype in DTYPES.items()}
-
-
-class SafetensorsError(ConvertError):
-  """A safetensors file or index that cannot be read as such."""
-
-
-def dtype_code(dtype) -> str:
-  dtype = np.dtype(dtype)
-  if dtype not in _CODES:
-    raise SafetensorsError(f"dtype {dtype} has no safetensors code; supported: {sorted(map(str, _CODES))}")
-  return _CODES[dtype]
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-  """Where one tensor's bytes live: absolute byte range [start, end) of `path`."""
-  name: str
-  dtype: np.dtype
-  shape: tuple[int, ...]
-  path: str
-  start: int
-  end: int
-
-  @property
-  def nbytes(self) -> int:
-    return self.end - self.start
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -265,111 +230,3 @@ def _read_index(index_file: str) -> dict[str, str]:
   if not isinstance(weight_map, dict):
     raise SafetensorsError(f"{index_file}: 'weight_map' must map tensor names to files")
   return weight_map
-
-
-# --- writing -------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-  name: str
-  dtype: np.dtype
-  shape: tuple[int, ...]
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-
-def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int | None = None,
-                num_shards: int | None = None) -> list[list[TensorSpec]]:
-  """Split tensors, in order, into shards of at most `max_shard_bytes` (a bigger tensor gets its own
-  shard) or into `num_shards` shards of about equal size."""
-  total = sum(s.nbytes for s in specs)
-  if num_shards is not None:  # cut at equal fractions of the cumulative size: exactly num_shards when possible
-    n = max(1, min(num_shards, len(specs)))
-    shards: list[list[TensorSpec]] = [[] for _ in range(n)]
-    before = 0
-    for spec in specs:
-      shards[min(n - 1, before * n // max(total, 1))].append(spec)
-      before += spec.nbytes
-    shards = [s for s in shards if s]
-    while len(shards) < n:  # a tensor bigger than total / n left a gap: split the fullest shard
-      i = max(range(len(shards)), key=lambda k: len(shards[k]))
-      half = len(shards[i]) // 2
-      shards[i:i + 1] = [shards[i][:half], shards[i][half:]]
-    return shards
-  if max_shard_bytes is None or max_shard_bytes <= 0:
-    raise ValueError(f"plan_shards needs a positive max_shard_bytes or num_shards, got {max_shard_bytes}")
-  shards, current, size = [], [], 0
-  for spec in specs:
-    if current and size + spec.nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = [], 0
-    current.append(spec)
-    size += spec.nbytes
-  if current:
-    shards.append(current)
-  return shards
-
-
-def _header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
-  header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-  offset = 0
-  for s in specs:
-    header[s.name] = {"dtype": dtype_code(s.dtype), "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-    offset += s.nbytes
-  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-  raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as the reference writer does
-  return struct.pack("<Q", len(raw)) + raw
-
-
-def write_file(path: str, specs: Sequence[TensorSpec], produce: Callable[[TensorSpec], np.ndarray],
-               metadata: dict[str, str] | None = None) -> None:
-  """Write one safetensors file, asking `produce` for each tensor in order (one in memory at a time).
-  Written to `path.tmp` then renamed, so a reader never sees half a file."""
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(_header_bytes(specs, metadata))
-    for spec in specs:
-      array = produce(spec)
-      if tuple(array.shape) != tuple(spec.shape) or np.dtype(array.dtype) != np.dtype(spec.dtype):
-        raise ValueError(f"{path}: tensor {spec.name!r} was planned as {np.dtype(spec.dtype)} {list(spec.shape)} "
-                         f"but produced as {array.dtype} {list(array.shape)}")
-      f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-      del array
-  os.replace(tmp, path)
-
-
-def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-  """Write a dict of arrays as one safetensors file."""
-  specs = [TensorSpec(n, np.dtype(a.dtype), tuple(a.shape)) for n, a in tensors.items()]
-  write_file(path, specs, lambda s: np.asarray(tensors[s.name]), metadata)
-
-
-def write_sharded(directory: str, specs: Sequence[TensorSpec], produce: Callable[[TensorSpec], np.ndarray], *,
-                  max_shard_bytes: int | None = None, num_shards: int | None = None, prefix: str = "model",
-                  metadata: dict[str, str] | None = None, on_written: Callable[[TensorSpec], None] | None = None,
-                  ) -> list[str]:
-  """Write tensors as `{prefix}.safetensors`, or as `{prefix}-0000k-of-0000n.safetensors` shards plus
-  `{prefix}.safetensors.index.json` (written last) when they need more than one shard. Returns file names."""
-  shards = plan_shards(specs, max_shard_bytes, num_shards)
-  n = len(shards)
-  names = [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-
-  def produce_and_report(spec: TensorSpec) -> np.ndarray:
-    array = produce(spec)
-    if on_written is not None:
-      on_written(spec)
-    return array
-
-  for name, shard in zip(names, shards):
-    write_file(os.path.join(directory, name), shard, produce_and_report, metadata)
-  if n > 1:
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-             "weight_map": {s.name: name for name, shard in zip(names, shards) for s in shard}}
-    tmp = os.path.join(directory, f"{prefix}{INDEX_SUFFIX}.tmp")
-    with open(tmp, "w") as f:
-      json.dump(index, f, indent=2)
-      f.write("\n")
-    os.replace(tmp, os.path.join(directory, f"{prefix}{INDEX_SUFFIX}"))
-  return names
