@@ -1,0 +1,145 @@
+"""The package's import graph has floors: every import points down (or within its own unit), and no module loop.
+
+Read from the source with `ast` (nothing is imported), so a new upward arrow or circle fails here before it
+becomes an import-order bug. `from pkg import submodule` counts as an arrow to the submodule, as Python resolves it.
+"""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "d2f_jax"
+
+# Units (top-level modules and subpackages of d2f_jax) by floor: a unit may import its own floor's
+# ground-floor units, and anything on a lower floor.
+FLOORS = (
+    ("sharding_hints", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks"),
+    ("kernels",),
+    ("models",),
+    ("convert",),
+    ("train",),
+    ("decode",),
+    ("api",),
+    ("evals",),
+    ("bench", "e2e", "aot"),
+    ("main", "distill", "evaluate", "generate"),
+)
+MAX_LINES = 310
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  modules = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = ("d2f_jax",) + path.relative_to(PACKAGE).with_suffix("").parts
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return modules
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+  """The d2f_jax modules `name` imports, each resolved to the deepest module that exists."""
+  targets = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        base = base[:len(base) - node.level + 1]
+        module = ".".join(base + ([node.module] if node.module else []))
+      else:
+        module = node.module or ""
+      submodules = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in modules]
+      found = submodules + ([module] if len(submodules) < len(node.names) else [])
+    else:
+      continue
+    for target in found:
+      if not target.startswith("d2f_jax"):
+        continue
+      while target not in modules and "." in target:
+        target = target.rsplit(".", 1)[0]
+      if target != name and target != "d2f_jax":  # the root __init__ is lazy (PEP 562), never a real edge
+        targets.add(target)
+  return targets
+
+
+def _graph():
+  modules = _modules()
+  return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _unit(module: str) -> str:
+  return module.split(".")[1]
+
+
+def _floor(unit: str) -> int:
+  for level, units in enumerate(FLOORS):
+    if unit in units:
+      return level
+  raise AssertionError(f"d2f_jax.{unit} is on no floor of tests/test_import_graph.py FLOORS: place it there")
+
+
+def test_every_import_points_down():
+  upward = []
+  for module, targets in _graph().items():
+    if module == "d2f_jax":
+      continue
+    for target in targets:
+      source_unit, target_unit = _unit(module), _unit(target)
+      if source_unit == target_unit:
+        continue
+      if _floor(target_unit) >= _floor(source_unit) and _floor(target_unit) != 0:
+        upward.append(f"{module} -> {target}")
+  assert not upward, "imports that do not point to a lower floor:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circle():
+  graph = _graph()
+  state: dict[str, int] = {}  # 1 on the current path, 2 finished
+  circles = []
+
+  def visit(module, path):
+    state[module] = 1
+    for target in sorted(graph.get(module, ())):
+      if state.get(target) == 1:
+        circles.append(" -> ".join(path[path.index(target):] + [target]))
+      elif target not in state:
+        visit(target, path + [target])
+    state[module] = 2
+
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [module])
+  assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_checker_sees_an_upward_arrow_and_a_circle(tmp_path, monkeypatch):
+  """The two checks above can fail: a fake package with models -> decode and a -> b -> a trips both."""
+  fake = tmp_path / "d2f_jax"
+  (fake / "models").mkdir(parents=True)
+  (fake / "decode").mkdir()
+  (fake / "__init__.py").write_text("")
+  (fake / "models" / "__init__.py").write_text("from d2f_jax.decode import loop\n")
+  (fake / "decode" / "__init__.py").write_text("")
+  (fake / "decode" / "loop.py").write_text("from . import other\n")
+  (fake / "decode" / "other.py").write_text("from d2f_jax.decode import loop\n")
+  monkeypatch.setitem(globals(), "PACKAGE", fake)
+  graph = _graph()
+  assert graph["d2f_jax.models"] == {"d2f_jax.decode.loop"}
+  assert graph["d2f_jax.decode.loop"] == {"d2f_jax.decode.other"}
+  try:
+    test_every_import_points_down()
+  except AssertionError as error:
+    assert "d2f_jax.models -> d2f_jax.decode.loop" in str(error)
+  else:
+    raise AssertionError("the upward arrow models -> decode was not reported")
+  try:
+    test_no_import_circle()
+  except AssertionError as error:
+    assert "d2f_jax.decode.loop -> d2f_jax.decode.other -> d2f_jax.decode.loop" in str(error)
+  else:
+    raise AssertionError("the circle loop -> other -> loop was not reported")
+
+
+def test_files_stay_short():
+  long_files = [f"{path.relative_to(PACKAGE.parent)}: {n} lines" for path in PACKAGE.rglob("*.py")
+                if (n := len(path.read_text().splitlines())) > MAX_LINES]
+  assert not long_files, f"files over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(long_files)
