@@ -49,9 +49,10 @@ class _ResolvingParser(ConfigFileFlagParser):
 
 def DEFINE_config_file(name: str, default: str | None, help_string: str, **kwargs) -> flags.FlagHolder:  # noqa: N802
   """config_flags.DEFINE_config_file whose path also finds the packaged configs (see the module doc)."""
-  holder = config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
-  flag = flags.FLAGS[name]
-  flag.parser = _ResolvingParser(name=name, lock_config=kwargs.get("lock_config", True))
-  if default is not None:  # the default was parsed at definition time: again, resolved
-    flag.value = flag.parser.parse(default)
+  # The default is resolved before ml_collections parses it at definition time: that parse also defines the
+  # `--name.field=value` override flags, bound to the config it returns, so re-parsing the default afterwards
+  # would leave the overrides writing into a config nobody reads.
+  holder = config_flags.DEFINE_config_file(name, None if default is None else resolve(default), help_string,
+                                           **kwargs)
+  flags.FLAGS[name].parser = _ResolvingParser(name=name, lock_config=kwargs.get("lock_config", True))
   return holder
