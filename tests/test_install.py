@@ -38,6 +38,27 @@ def test_config_paths_resolve_to_the_packaged_files(tmp_path, monkeypatch):
   assert config_files.resolve("configs/tiny_e2e.py") == "configs/tiny_e2e.py"
 
 
+_SHOW_CONFIG = """
+import sys
+from absl import app
+from d2f_jax import config_files
+CONFIG = config_files.DEFINE_config_file("config", sys.argv.pop(1), "")
+app.run(lambda argv: print(CONFIG.value.ar.steps, CONFIG.value.student.steps, CONFIG.value.task.test))
+"""
+
+
+@pytest.mark.parametrize("default", ["configs/tiny_e2e.py", "configs/tiny_e2e.py:smoke"])
+@pytest.mark.parametrize("given", [False, True])
+def test_field_overrides_apply_with_the_default_config_and_a_given_one(tmp_path, default, given):
+  """`--config.ar.steps=7` reaches the config whether --config is given or left at its (resolved) default."""
+  argv = ["--config", default] if given else []
+  out = subprocess.run([sys.executable, "-c", _SHOW_CONFIG, default, *argv, "--config.ar.steps=7",
+                        "--config.student.steps=5"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == ["7", "5", "4" if default.endswith(":smoke") else "256"], out.stdout
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
   """The package installed non-editably into a target directory, from a copy of the sources."""
