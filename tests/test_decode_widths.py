@@ -86,8 +86,8 @@ def test_one_program_for_every_width():
 
 
 def test_width_set_resolution_and_errors():
-  assert window_widths_for(None, 5) == (1, 2, 3, 5)
-  assert window_widths_for(None, 16) == (1, 2, 3, 5, 9, 16)
+  assert window_widths_for(None, 5) == (1, 2, 3, 4, 5)
+  assert window_widths_for(None, 16) == (1, 2, 3, 4, 5, 9, 16)
   assert window_widths_for((), 6) == (6,)
   assert window_widths_for((8, 2, 2), 4) == (2, 4)  # cut to the widest window, which is always there
   with pytest.raises(ValueError, match="window_widths"):
