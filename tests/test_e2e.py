@@ -4,6 +4,7 @@ import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from d2f_jax.e2e import data as e2e_data
@@ -79,6 +80,7 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
       + [("d2f", "student")] * len(c.d2f_sweep) + [("ar", "ar")])
   for row in rows:
     assert row["total"] == c.task.test and 0.0 <= row["accuracy"] <= 100.0
+    assert row["timed_seconds"] > 0 and row["harness_tokens_per_s"] > 0  # the interleaved pass timed the row
     assert row["stderr"] >= 0.0 and row["ms_per_forward"] > 0
     assert row["tokens_per_forward"] is None or row["tokens_per_forward"] > 0
     if row["method"] in ("d2f", "threshold"):
@@ -121,3 +123,27 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
   with pytest.raises(SystemExit, match="needs a causal model"):
     evaluate.main(["--model", str(tmp_path / "teacher" / "hf"), "--task", "arithmetic", "--method", "ar",
                    "--limit", "1", "--out", str(tmp_path / "bad")])
+
+
+def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
+  """Every prompt is decoded by every row, starting one row later each prompt; tokens and forwards add up."""
+  from d2f_jax.e2e import evaluation
+  order = []
+
+  class Result:
+    def __init__(self, n):
+      self.n, self.forwards = n, np.array([n + 1])
+
+    def to_lists(self):
+      return [[0] * self.n]
+
+  def fake_generate(model, prompts, config):
+    order.append((model, len(prompts[0])))
+    return Result(len(prompts[0]))
+
+  monkeypatch.setattr(evaluation, "generate", fake_generate)
+  prompts = [[1], [2, 2], [3, 3, 3]]
+  totals = evaluation.interleaved_timing([("a", None, prompts), ("b", None, prompts), ("c", None, prompts)])
+  assert order == [("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2), ("c", 3), ("a", 3), ("b", 3)]
+  assert [(t["tokens"], t["forwards"]) for t in totals] == [(6, 9)] * 3
+  assert all(t["seconds"] > 0 for t in totals)

@@ -49,7 +49,10 @@ def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict) ->
       f"{total} held-out arithmetic problems, exact match of the final answer (+- one binomial standard error). "
       f"Measured on {env['device']} ({env['cpus']} CPUs), batch 1, greedy, compile time excluded; "
       f"block {block}, at most {new} new tokens.", "",
-      "tokens/s = generated tokens (up to the stop token) / wall time of the generate calls; tokens/fwd = the same "
+      "tokens/s = generated tokens (up to the stop token) / wall time of the generate calls, timed in one pass "
+      "after the accuracy pass with every prompt decoded by every row in turn, so a busier moment of the machine "
+      "slows all rows alike (each row's harness results.json under eval/ has its own, separately timed speed); "
+      "tokens/fwd = the same "
       "tokens / model forwards; blocks in flight = blocks still decoding per forward (d2f, threshold); window "
       "blocks = width of the forward's window in blocks (the blocks in flight plus finished ones whose cache it "
       "writes); ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
