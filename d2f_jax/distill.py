@@ -56,7 +56,8 @@ def main(argv) -> None:
   except ValueError as e:
     _fail(EXIT_BAD_INPUT, e)
   sharding.maybe_initialize_distributed(config.distributed)  # before anything touches the devices
-  from d2f_jax.train.trainer import NonFiniteError, Trainer
+  from d2f_jax.train.divergence import NonFiniteError
+  from d2f_jax.train.trainer import Trainer
   try:
     trainer = Trainer(config, _WORKDIR.value)
   except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:

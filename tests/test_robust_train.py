@@ -16,7 +16,8 @@ from d2f_jax.train import config as config_lib
 from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
 from d2f_jax.train.config import load_config_file
 from d2f_jax.train.state import abstract_state
-from d2f_jax.train.trainer import METRICS_FILE, NonFiniteError, Trainer
+from d2f_jax.train.divergence import NonFiniteError
+from d2f_jax.train.trainer import METRICS_FILE, Trainer
 from test_robust_convert import snapshot
 from process_utils import sigterm_when_ready
 

@@ -7,7 +7,7 @@ Everything that can resume does: the state and the data position come back from 
 checkpoint (an unreadable newer one is moved aside), and the run continues with the same losses it would
 have had without the interruption. A resume with a config that changes the trained state's shape or meaning
 is refused before the workdir is touched. A non-finite loss, gradient or parameter stops the run
-(`NonFiniteError`) before any checkpoint or export is written from that state. Every logged step is
+(`divergence.NonFiniteError`) before any checkpoint or export is written from that state. Every logged step is
 appended to `<workdir>/metrics.jsonl` at once, so a killed run keeps the metrics of what it trained.
 """
 
@@ -29,7 +29,7 @@ from d2f_jax.models import LoraConfig
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
-from d2f_jax.train import objectives, sharding
+from d2f_jax.train import divergence, objectives, sharding
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
 from d2f_jax.train.model import TrainModels, export_student, load_base, model_config
 from d2f_jax.train.state import abstract_state, create_state
@@ -39,24 +39,6 @@ from d2f_jax.train.synthetic import ensure_synthetic
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-
-
-class NonFiniteError(RuntimeError):
-  """A non-finite loss, gradient norm or parameter: training stopped without saving that state."""
-
-
-@jax.jit
-def _first_bad_step(first_bad: jax.Array, step: jax.Array, metrics: dict) -> jax.Array:
-  """The first step whose loss or gradient norm was not finite (-1: none yet), tracked on the device so
-  the loop needs no host sync per step."""
-  ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-  return jnp.where((first_bad < 0) & ~ok, step, first_bad)
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def _rules(config) -> sharding.Rules:
@@ -233,7 +215,7 @@ class Trainer:
     try:
       for step in range(start + 1, end + 1):
         self.state, metrics = step_fn(self.state, self.frozen, self.global_batch(next(self.data)))
-        first_bad = _first_bad_step(first_bad, jnp.int32(step), metrics)
+        first_bad = divergence.first_bad_step(first_bad, jnp.int32(step), metrics)
         bar.update(1)
         record = {}
         if step % c.log_every == 0 or step == end:
@@ -282,20 +264,9 @@ class Trainer:
         f.flush()
 
   def _check_finite(self, first_bad: jax.Array, step: int, record: dict, *, params: bool) -> None:
-    """Raise NonFiniteError if any step so far had a non-finite loss / gradient norm or (params=True) the
-    current parameters hold a NaN / inf; called before anything is logged, saved or exported."""
-    bad = int(jax.device_get(first_bad))
-    finite_params = bool(jax.device_get(_all_finite(self.state.params))) if params or bad >= 0 else True
-    if bad < 0 and finite_params:
-      return
-    newest = self.checkpointer.latest_step()
-    values = ", ".join(f"{k}={record[k]:.4g}" for k in ("loss", "grad_norm") if k in record)
-    where = f"step {bad} had a non-finite loss or gradient norm" if bad >= 0 else \
-        f"the parameters after step {step} are not finite"
-    raise NonFiniteError(
-        f"training diverged: {where}{' (' + values + ')' if values else ''}, optim.lr={self.config.optim.lr}. "
-        f"Stopped at step {step} without saving a checkpoint or export of this state; the newest checkpoint is "
-        f"{'step ' + str(newest) if newest is not None else 'none'}. Lower optim.lr or check the data.")
+    """NonFiniteError before anything is logged, saved or exported from a diverged state."""
+    divergence.check(first_bad, step, record, self.state.params, check_params=params, lr=self.config.optim.lr,
+                     newest_checkpoint=self.checkpointer.latest_step())
 
   def close(self) -> None:
     self.checkpointer.wait()
