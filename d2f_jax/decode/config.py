@@ -257,6 +257,7 @@ def check_method_fits(model: ModelConfig, config: DecodeConfig, attention: str |
                        f"but this model was trained causally (config.json {ATTENTION_KEY}='causal'); "
                        "decode it with method='ar'")
   elif config.method == "ar" and attention is not None and attention != "causal":
-    raise ValueError(f"DecodeConfig.method='ar' needs a causal model, but this model attends {attention.replace('_', '-')} "
-                     f"(config.json {ATTENTION_KEY}={attention!r}, or a LLaDA / Dream model); "
+    raise ValueError(f"DecodeConfig.method='ar' needs a causal model, but this model attends "
+                     f"{attention.replace('_', '-')} (config.json {ATTENTION_KEY}={attention!r}, "
+                     "or a LLaDA / Dream model); "
                      "use a diffusion method (d2f, threshold, vanilla, dream_vanilla)")
