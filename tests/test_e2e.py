@@ -126,9 +126,10 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
 
 
 def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
-  """Every prompt is decoded by every row, starting one row later each prompt; tokens and forwards add up."""
+  """Every prompt is decoded by every row, starting one row later each prompt; tokens and forwards add up;
+  a call that compiled (row a's first) is timed again."""
   from d2f_jax.e2e import evaluation
-  order = []
+  order, traces = [], [0]
 
   class Result:
     def __init__(self, n):
@@ -138,12 +139,16 @@ def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
       return [[0] * self.n]
 
   def fake_generate(model, prompts, config):
+    if not order:
+      traces[0] += 1  # the first call compiles
     order.append((model, len(prompts[0])))
     return Result(len(prompts[0]))
 
   monkeypatch.setattr(evaluation, "generate", fake_generate)
+  monkeypatch.setattr(evaluation, "trace_count", lambda name: traces[0])
   prompts = [[1], [2, 2], [3, 3, 3]]
   totals = evaluation.interleaved_timing([("a", None, prompts), ("b", None, prompts), ("c", None, prompts)])
-  assert order == [("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2), ("c", 3), ("a", 3), ("b", 3)]
+  assert order == [("a", 1), ("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2), ("c", 3), ("a", 3),
+                   ("b", 3)]
   assert [(t["tokens"], t["forwards"]) for t in totals] == [(6, 9)] * 3
   assert all(t["seconds"] > 0 for t in totals)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.evals.runner import encode_prompts, run_benchmark
 
 # role -> the model column of the results table
@@ -125,17 +125,21 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
 
 def interleaved_timing(calls: list[tuple], bar_name: str = "timing") -> list[dict]:
   """Seconds, tokens and forwards of each (model, DecodeConfig, prompts) call over its prompts at batch 1,
-  prompt by prompt with every call in turn (starting one call later each prompt). Calls must be compiled
-  already (the accuracy pass did it), so no compile is timed."""
+  prompt by prompt with every call in turn (starting one call later each prompt). A call that compiled
+  (a prompt shape not seen before) is timed again, so no compile is timed."""
   totals = [{"seconds": 0.0, "tokens": 0, "forwards": 0} for _ in calls]
   count = len(calls[0][2]) if calls else 0
   for p in tqdm(range(count), desc=bar_name, dynamic_ncols=True):
     for j in range(len(calls)):
       index = (p + j) % len(calls)
       model, config, prompts = calls[index]
-      start = time.perf_counter()
-      result = jax.block_until_ready(generate(model, [prompts[p]], config))
-      totals[index]["seconds"] += time.perf_counter() - start
+      traces = -1
+      while traces != trace_count("loop"):
+        traces = trace_count("loop")
+        start = time.perf_counter()
+        result = jax.block_until_ready(generate(model, [prompts[p]], config))
+        seconds = time.perf_counter() - start
+      totals[index]["seconds"] += seconds
       totals[index]["tokens"] += len(result.to_lists()[0])
       totals[index]["forwards"] += int(np.asarray(result.forwards)[0])
   return totals
