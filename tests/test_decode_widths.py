@@ -127,3 +127,19 @@ def test_bench_width_table_runs_and_checks_tokens(tmp_path):
   for row in rows:
     assert row["fixed_window"] == 4 and row["width_set_window"] < row["fixed_window"]
     assert row["in_flight"] <= row["width_set_window"]
+
+
+def test_resolved_once_per_config_and_unhashable_fields_still_decode():
+  """The runner resolves a (config, model config) once; a config with list fields (unhashable) is resolved
+  afresh each call and decodes exactly as its tuple twin."""
+  from d2f_jax.decode import runner_prepare
+  model = sharp_model("llada")
+  config = DecodeConfig(block_size=4, max_new_tokens=16, prompt_buckets=16, stop_tokens=(3,))
+  runner_prepare._resolved.cache_clear()
+  first = generate(model, PROMPTS, config)
+  generate(model, PROMPTS, config.replace())  # an equal config: a cache hit
+  assert runner_prepare._resolved.cache_info().hits == 1 and runner_prepare._resolved.cache_info().misses == 1
+  listed = generate(model, PROMPTS, config.replace(stop_tokens=[3], prompt_buckets=[16]))
+  assert runner_prepare._resolved.cache_info().misses == 1  # not cached, not failed
+  np.testing.assert_array_equal(np.asarray(listed.tokens), np.asarray(first.tokens))
+  np.testing.assert_array_equal(np.asarray(listed.forwards), np.asarray(first.forwards))
