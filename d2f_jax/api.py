@@ -1,6 +1,6 @@
 """`d2f_jax.load_model`: one call from a Hugging Face or converted directory to a ready model.
 
-The returned `LoadedModel` keeps the model split into a static graph and a parameter state, the form
+The returned `Model` keeps the model split into a static graph and a parameter state, the form
 every jitted entry point (decoders, trainer) takes, plus the tokenizer found in the same directory.
 
 On a mesh, `load_model(path, mesh=mesh)` places each weight straight from host memory into its training
@@ -20,19 +20,66 @@ import numpy as np
 from flax import nnx
 
 from d2f_jax.convert.source import TOKENIZER_FILES, load_tokenizer  # noqa: F401  (public here too)
-from d2f_jax.decode.runner import DecodeModel
+from d2f_jax.decode.mesh import DecodeMesh
+from d2f_jax.decode.runner_model import shard_model, with_attention
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, logits_for_mode
 
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadedModel(DecodeModel):
-  """A DecodeModel loaded from a checkpoint, with the user-facing helpers: logits under any attention mode,
-  and text <-> ids through its tokenizer."""
+class Model:
+  """The model handle every decoder, evaluator and the trainer's exports take: a config, the static graph and
+  the parameter state (the form every jitted entry point takes), with the tokenizer, the separate LoRA config,
+  the directory it came from and (once `shard`ed) the mesh the state lives on.
+
+  `load_model` returns one; `Model.from_module` wraps a module built in memory. Text in, text out:
+  `model.generate("2+3=", method="d2f")`; ids in, a DecodeResult out: `d2f_jax.decode.generate`.
+  """
+
+  config: ModelConfig
+  graphdef: Any  # nnx.GraphDef: static, hashable
+  state: Any  # nnx.State: parameters (and LoRA parameters, when kept separate)
+  tokenizer: Any = None
+  placement: DecodeMesh | None = None
+  lora: Any = None  # LoraConfig when the LoRA parameters are kept separate
+  source: str = ""  # the directory it was loaded from ("" when built in memory)
+
+  @classmethod
+  def from_module(cls, module: nnx.Module, tokenizer=None) -> "Model":
+    graphdef, state = nnx.split(module)
+    return cls(config=module.config, graphdef=graphdef, state=state, tokenizer=tokenizer,
+               lora=getattr(module, "lora", None))
+
+  @property
+  def mesh(self):
+    return None if self.placement is None else self.placement.mesh
 
   @property
   def module(self) -> Transformer:
     return nnx.merge(self.graphdef, self.state)
+
+  def shard(self, mesh, rules=None) -> "Model":
+    """A copy with its weights in the logical `rules`' shardings on `mesh` (default rules: training's)."""
+    return shard_model(self, mesh, rules)
+
+  def with_attention(self, impl: str) -> "Model":
+    """A copy whose attention runs as `impl` ('auto', 'xla', 'pallas', 'interpret_gpu', 'interpret_tpu')."""
+    return with_attention(self, impl)
+
+  def generate(self, prompt: str | Sequence[str], *, method: str = "d2f", chat: bool = False, key=None,
+               **settings) -> str | list[str]:
+    """Decode text: one prompt -> its completion, a list of prompts -> a list (decoded as one batch, each
+    row's tokens those of its batch-1 decode). `settings` are DecodeConfig fields (block_size,
+    max_new_tokens, tau_add, tau_act, tau_conf, temperature, ...); `chat` wraps each prompt as one user turn
+    of the model's chat template. The completion stops at the first stop token, which is not included."""
+    from d2f_jax.decode import DecodeConfig, generate
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+      raise TypeError(f"prompt must be a string or a non-empty list of strings, got {prompt!r:.80}")
+    result = generate(self, [self.encode(p, chat=chat) for p in prompts],
+                      DecodeConfig(method=method, **settings), key=key)
+    texts = [self.decode(ids) for ids in result.to_lists()]
+    return texts[0] if isinstance(prompt, str) else texts
 
   def logits(self, token_ids, *, attention_mask=None, mode: str = "bidirectional", prompt_len=None,
              block_size: int | None = None, align: bool = True) -> jax.Array:
@@ -122,7 +169,7 @@ def _flatten(tree: dict, prefix: tuple = ()):
 
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
                allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
-               rules=None) -> LoadedModel:
+               rules=None) -> Model:
   """Load a model from a Hugging Face directory (config.json + safetensors), a converted directory, or a
   Hub id ("GSAI-ML/LLaDA-8B-Instruct[@revision]") through the local Hugging Face cache (convert/source.py).
 
@@ -131,7 +178,7 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
   parameters (the form the trainer continues from).
   attention: ModelConfig.attention_impl ('auto', 'xla', 'pallas', ...); default keeps the config's.
   mesh / rules: place the weights straight into their shardings on this jax Mesh (axes data, fsdp,
-  tensor) by these logical-axis rules (default: training's, train/config.py DEFAULT_RULES).
+  tensor) by these logical-axis rules (default: training's, d2f_jax.sharding.DEFAULT_RULES).
   """
   from d2f_jax.decode.mesh import as_decode_mesh
   from d2f_jax import convert
@@ -150,5 +197,5 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
     config = config.replace(attention_impl=attention)
   placement = as_decode_mesh(mesh, rules)
   graphdef, state = model_from_params(config, params, lora_cfg, lora_params, placement=placement)
-  return LoadedModel(config=config, graphdef=graphdef, state=state, tokenizer=load_tokenizer(path),
+  return Model(config=config, graphdef=graphdef, state=state, tokenizer=load_tokenizer(path),
                      lora=lora_cfg, source=path, placement=placement)

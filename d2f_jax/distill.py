@@ -48,17 +48,11 @@ def main(argv) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.INFO)
   from d2f_jax.convert.errors import ConvertError
-  from d2f_jax.train import config as config_lib, sharding
   from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
-  config = _CONFIG.value
-  try:
-    config_lib.validate(config)
-  except ValueError as e:
-    _fail(EXIT_BAD_INPUT, e)
-  sharding.maybe_initialize_distributed(config.distributed)  # before anything touches the devices
   from d2f_jax.train.divergence import NonFiniteError
   from d2f_jax.train.trainer import Trainer
-  try:
+  config = _CONFIG.value
+  try:  # the Trainer validates the config, then starts jax.distributed before anything touches the devices
     trainer = Trainer(config, _WORKDIR.value)
   except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:
     _fail(EXIT_BAD_INPUT, e)  # a config field, data file, model directory or workdir that cannot be used

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import decode_reference as ref
-from d2f_jax.decode import DecodeConfig, DecodeModel, generate, generate_stepwise, stream, trace_count
+from d2f_jax.api import Model
+from d2f_jax.decode import DecodeConfig, generate, generate_stepwise, stream, trace_count
 from d2f_jax.models import TINY_DREAM, TINY_LLADA
 from model_utils import random_model
 
@@ -18,12 +19,12 @@ THRESHOLDS = [(0.9, 0.1, 0.95), (0.5, 0.25, 0.5), (0.3, 0.0, 0.75), (1.0, 0.5, 1
 _MODELS = {}
 
 
-def sharp_model(family: str) -> DecodeModel:
+def sharp_model(family: str) -> Model:
   """A random tiny model with a 4x head, so top-1 probabilities spread over (0, 1) as a trained one's do."""
   if family not in _MODELS:
     module = random_model(CONFIGS[family], seed=0)
     module.lm_head[...] = module.lm_head[...] * 4.0
-    _MODELS[family] = DecodeModel.from_module(module)
+    _MODELS[family] = Model.from_module(module)
   return _MODELS[family]
 
 

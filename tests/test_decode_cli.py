@@ -44,7 +44,7 @@ def test_cli_rejects_bad_options(checkpoint, capsys):
 
 def test_cli_device_flags(checkpoint, capsys):
   from d2f_jax import generate as cli
-  from d2f_jax.decode.flags import parse_mesh
+  from d2f_jax.sharding import parse_mesh
 
   assert parse_mesh("data=2, tensor=4") == {"data": 2, "tensor": 4}
   assert parse_mesh("fsdp=-1") == {"fsdp": -1}

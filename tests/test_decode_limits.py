@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from d2f_jax.decode import DecodeConfig, DecodeModel, generate, trace_count
+from d2f_jax.api import Model
+from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.decode.limits import DecodeInputError, kv_cache_bytes
 from d2f_jax.models import DREAM_7B, LLADA_8B, TINY_DREAM, TINY_LLADA
 from model_utils import random_model
@@ -17,7 +18,7 @@ CONFIG = DecodeConfig(block_size=4, max_new_tokens=8, prompt_buckets=8)
 
 @pytest.fixture(scope="module")
 def model():
-  return DecodeModel.from_module(random_model(TINY_LLADA, seed=0))
+  return Model.from_module(random_model(TINY_LLADA, seed=0))
 
 
 def _refused(model, prompts, config, match):
@@ -45,7 +46,7 @@ def test_positions_past_the_trained_length_are_refused_up_front(model):
   _refused(model, [[1, 2, 3]], CONFIG.replace(max_new_tokens=2 ** 20),
            r"3 tokens \+ max_new_tokens=1048576 needs 1048579 positions, but the model was trained for 4096")
   _refused(model, [[1] * 4090], CONFIG, r"4090 tokens \+ max_new_tokens=8 needs 4098")
-  unbounded = DecodeModel(TINY_LLADA.replace(max_positions=None), model.graphdef, model.state)
+  unbounded = Model(TINY_LLADA.replace(max_positions=None), model.graphdef, model.state)
   result = generate(unbounded, [[1, 2, 3]], CONFIG)  # None: unchecked
   assert result.tokens.shape == (1, 8)
 

@@ -24,11 +24,12 @@ _CHILD = textwrap.dedent("""
     jax.config.update("jax_disable_most_optimizations", True)
     from jax.sharding import NamedSharding, PartitionSpec as P
     import d2f_jax
-    from d2f_jax.decode import DecodeConfig, DecodeModel, decode_program, generate, generate_stepwise, trace_count
+    from d2f_jax.api import Model
+    from d2f_jax.decode import DecodeConfig, decode_program, generate, generate_stepwise, trace_count
     from d2f_jax.decode import runner
     from d2f_jax.decode.runner import pack_prompts, resolve, with_attention
     from d2f_jax.models import TINY_DREAM, TINY_LLADA
-    from d2f_jax.train.sharding import make_mesh
+    from d2f_jax.sharding import make_mesh
     from model_utils import random_model
 
     assert jax.device_count() == 8, jax.devices()
@@ -37,8 +38,8 @@ _CHILD = textwrap.dedent("""
     BASE = DecodeConfig(block_size=4, max_new_tokens=16, max_blocks_in_flight=2, tau_conf=0.02, prompt_buckets=8)
     TAU = {"llada": 0.02, "dream": 0.05}  # low enough for a random tiny model to accept several tokens a step
     PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-    MODELS = {"llada": DecodeModel.from_module(random_model(TINY_LLADA, seed=0)),
-              "dream": DecodeModel.from_module(random_model(TINY_DREAM, seed=3))}
+    MODELS = {"llada": Model.from_module(random_model(TINY_LLADA, seed=0)),
+              "dream": Model.from_module(random_model(TINY_DREAM, seed=3))}
 
     def mesh(name):
       sizes = MESHES[name]
@@ -89,15 +90,15 @@ _CHILD = textwrap.dedent("""
     # The interpreted kernels really run per shard (XLA cannot partition a Pallas call): the lowered loop
     # holds a manual (shard_map) region.
     def has_shard_map(model):
-      prep = runner._prepare(model, PROMPTS, BASE, None, None, None, None)
-      text = runner._run_loop.lower(model.graphdef, prep.params, prep.prompt, prep.prompt_len, prep.key,
+      prep = runner.prepare(model, PROMPTS, BASE, None, None, None, None)
+      text = runner.run_loop.lower(model.graphdef, prep.params, prep.prompt, prep.prompt_len, prep.key,
                                     prep.knobs, spec=prep.spec, layout=prep.layout).as_text()
       return "sdy.manual_computation" in text or "SPMDFullToShardShape" in text
     out["kernel_shard_map"] = has_shard_map(with_attention(MODELS["dream"], "interpret_gpu").shard(mesh("d2t4")))
     out["xla_shard_map"] = has_shard_map(MODELS["dream"].shard(mesh("d2t4")))  # XLA partitions the reference
 
     # The reference is not trivially equal: a different model gives different tokens.
-    other = host(generate(DecodeModel.from_module(random_model(TINY_LLADA, seed=1)), PROMPTS, BASE))
+    other = host(generate(Model.from_module(random_model(TINY_LLADA, seed=1)), PROMPTS, BASE))
     out["other_model_diff"] = diff(refs[("llada", "d2f", ())], other)
 
     # Same shapes, new prompts and knobs: no retrace; the stepwise driver gives the same result.

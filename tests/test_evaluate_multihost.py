@@ -122,11 +122,12 @@ _GENERATE_CHILD = textwrap.dedent("""
                                initialization_timeout=120)
     jax.config.update("jax_default_matmul_precision", "highest")
     jax.config.update("jax_disable_most_optimizations", True)
-    from d2f_jax.decode import DecodeConfig, DecodeModel, generate
+    from d2f_jax.api import Model
+    from d2f_jax.decode import DecodeConfig, generate
     from d2f_jax.models import TINY_DREAM
-    from d2f_jax.train.sharding import make_mesh
+    from d2f_jax.sharding import make_mesh
     from model_utils import random_model
-    model = DecodeModel.from_module(random_model(TINY_DREAM, seed=3))
+    model = Model.from_module(random_model(TINY_DREAM, seed=3))
     config = DecodeConfig(block_size=4, max_new_tokens=16, max_blocks_in_flight=2, tau_conf=0.05, prompt_buckets=8)
     out = {}
     for name, sizes in (("tensor", dict(tensor=2)), ("data", dict(data=2))):  # one device per process
@@ -140,7 +141,8 @@ def test_generate_on_a_mesh_spanning_two_processes():
   """Weights and rows split across two processes' devices: every process reads the same, one-device result."""
   import numpy as np
 
-  from d2f_jax.decode import DecodeConfig, DecodeModel, generate
+  from d2f_jax.api import Model
+  from d2f_jax.decode import DecodeConfig, generate
   from d2f_jax.models import TINY_DREAM
   from model_utils import random_model
 
@@ -155,7 +157,7 @@ def test_generate_on_a_mesh_spanning_two_processes():
     stdout, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-4000:]
     reports.append(json.loads(next(x for x in stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):]))
-  model = DecodeModel.from_module(random_model(TINY_DREAM, seed=3))
+  model = Model.from_module(random_model(TINY_DREAM, seed=3))
   config = DecodeConfig(block_size=4, max_new_tokens=16, max_blocks_in_flight=2, tau_conf=0.05, prompt_buckets=8)
   one = generate(model, [[5, 6, 7], [8, 9, 10, 11, 12], [13]], config)
   expected = [np.asarray(one.tokens).tolist(), np.asarray(one.forwards).tolist()]

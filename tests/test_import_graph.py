@@ -12,13 +12,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "d2f_jax"
 # Units (top-level modules and subpackages of d2f_jax) by floor: a unit may import its own floor's
 # ground-floor units, and anything on a lower floor.
 FLOORS = (
-    ("sharding_hints", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks"),
+    ("sharding", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks"),
     ("kernels",),
     ("models",),
     ("convert",),
-    ("train",),
     ("decode",),
     ("api",),
+    ("train",),
     ("evals",),
     ("bench", "e2e", "aot"),
     ("main", "distill", "evaluate", "generate"),

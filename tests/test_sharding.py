@@ -13,8 +13,8 @@ import textwrap
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from d2f_jax.train import sharding
-from d2f_jax.train.config import DEFAULT_RULES
+from d2f_jax import sharding
+from d2f_jax.sharding import DEFAULT_RULES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
@@ -48,11 +48,11 @@ def test_mesh_sizes_are_checked():
                                        ({"OMPI_COMM_WORLD_SIZE": "2"}, True), ({"TPU_WORKER_HOSTNAMES": "a,b"}, True),
                                        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, True)])
 def test_multi_host_launches_are_detected(monkeypatch, env, multi):
-  for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", *sharding._MULTIPROCESS_ENV):
+  for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", *sharding.mesh.MULTIPROCESS_ENV):
     monkeypatch.delenv(var, raising=False)
   for var, value in env.items():
     monkeypatch.setenv(var, value)
-  assert sharding._multiprocess_launch() is multi
+  assert sharding.multiprocess_launch() is multi
   assert sharding.maybe_initialize_distributed("off") is False
 
 
@@ -63,8 +63,8 @@ _CHILD = textwrap.dedent("""
     jax.config.update("jax_disable_most_optimizations", True)
     from flax import nnx
     from d2f_jax.models import TINY_DREAM, TINY_LLADA, LoraConfig
-    from d2f_jax.train import sharding
-    from d2f_jax.train.config import DEFAULT_RULES as RULES
+    from d2f_jax import sharding
+    from d2f_jax.sharding import DEFAULT_RULES as RULES
     from d2f_jax.train.model import BASE, TrainModels
     from d2f_jax.train.optim import OptimSpec
     from d2f_jax.train.schedule import Schedule

@@ -37,6 +37,8 @@ import sys
 
 from d2f_jax.aot import topology as topo
 from d2f_jax.aot.programs import PROGRAMS
+from d2f_jax.sharding.mesh import parse_mesh
+from d2f_jax.sharding.rules import MESH_AXES
 
 EXIT_COMPILE_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 1, 2, 3
 _FAMILY_PRESET = {"llada": "llada-8b", "dream": "dream-7b"}
@@ -69,19 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top", type=int, default=0, help="list this many of the largest per-device arrays")
   p.add_argument("--json", help="write the reports here")
   return p
-
-
-def parse_sizes(text: str, flag: str) -> dict[str, int]:
-  sizes = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    axis, eq, value = part.partition("=")
-    if not eq or axis not in ("data", "fsdp", "tensor"):
-      raise ValueError(f"{flag} {text!r}: expected comma-separated data=..,fsdp=..,tensor=..")
-    try:
-      sizes[axis] = int(value)
-    except ValueError:
-      raise ValueError(f"{flag} {text!r}: size of {axis!r} must be an int, got {value!r}") from None
-  return {"data": 1, "fsdp": 1, "tensor": 1, **sizes}
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -131,7 +120,7 @@ def load_config(spec: str, overrides, args):
       except (KeyError, AttributeError, TypeError) as e:
         raise ValueError(f"--config.{field}={value}: {e}") from None
     if args.mesh:
-      config.mesh.update(parse_sizes(args.mesh, "--mesh"))
+      config.mesh.update({**dict.fromkeys(MESH_AXES, 1), **parse_mesh(args.mesh)})
     if not config.model.preset and not config.model.path:
       base = os.path.basename(spec.partition(":")[0]).lower()
       family = next((f for f in _FAMILY_PRESET if f in base), None)
@@ -155,10 +144,9 @@ def load_config(spec: str, overrides, args):
 
 def _quick_batch(config, devices: list) -> None:
   """--quick: one row per batch shard and micro batch."""
-  from d2f_jax.aot.programs import rules_of
-  from d2f_jax.train import sharding
+  from d2f_jax import sharding
   mesh = sharding.make_mesh(config.mesh, devices)
-  entry = sharding.batch_sharding(mesh, rules_of(config)).spec[0]
+  entry = sharding.batch_sharding(mesh, sharding.normalize_rules(config.logical_axis_rules)).spec[0]
   axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a]
   with config.unlocked():
     config.batch_size = math.prod(mesh.shape[a] for a in axes) * config.micro_batches
@@ -181,14 +169,14 @@ def main(argv: list[str] | None = None) -> int:
   try:
     target = topo.parse_target(args.target)
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    decode_mesh = parse_sizes(args.decode_mesh, "--decode_mesh") if args.decode_mesh else None
+    decode_mesh = parse_mesh(args.decode_mesh, "--decode_mesh") if args.decode_mesh else None
     configs = [(spec, *load_config(spec, overrides, args)) for spec in args.config]
   except (ValueError, FileNotFoundError, KeyError) as e:
     parser.error(str(e))
 
   if "train" in programs:
     for spec, config, _ in configs:
-      sizes = [int(config.mesh.get(a, 1)) for a in ("data", "fsdp", "tensor")]
+      sizes = [int(config.mesh.get(a, 1)) for a in MESH_AXES]
       known = math.prod(s for s in sizes if s != -1)
       if (-1 in sizes and target.chips % known) or (-1 not in sizes and known != target.chips):
         parser.error(f"{spec}: mesh {dict(config.mesh)} does not fit the {target.chips} devices of {target.name}; "

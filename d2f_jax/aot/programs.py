@@ -39,29 +39,23 @@ def model_config_of(config, attention: str | None):
   return mc.replace(attention_impl=impl) if impl else mc
 
 
-def rules_of(config) -> tuple:
-  """The config's logical-axis rules as the hashable tuple the Trainer passes to compiled_train_step."""
-  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
-               for name, axes in config.logical_axis_rules)
-
-
 def train_program(config, devices: list, *, attention: str | None = None) -> Program:
   """The config's train step (its objective, LoRA or full, micro batches) on its mesh over `devices`."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
-  from d2f_jax.train import objectives, sharding
-  from d2f_jax.train.model import TrainModels
+  from d2f_jax import sharding
+  from d2f_jax.train import objectives
+  from d2f_jax.train.model import TrainModels, pure_abstract
   from d2f_jax.train.state import abstract_state
   from d2f_jax.train.step import compiled_train_step, spec_from_config
   from d2f_jax.train.trainer import lora_config
 
   mc = model_config_of(config, attention)
   mesh = sharding.make_mesh(config.mesh, devices)
-  rules = rules_of(config)
+  rules = sharding.normalize_rules(config.logical_axis_rules)
   models = TrainModels.create(mc, lora_config(config), config.train_dtype,
-                                teacher=objectives.get(config.objective).teacher)
+                              teacher=objectives.get(config.objective).teacher)
   spec = spec_from_config(config, models, mesh, rules)
   shards = math.prod(mesh.shape[a] for a in _axes(spec.batch_sharding.spec[0]))
   if config.batch_size % (shards * config.micro_batches):
@@ -71,9 +65,7 @@ def train_program(config, devices: list, *, attention: str | None = None) -> Pro
   frozen = {}
   if models.keeps_base:
     base = models.abstract_frozen()
-    pure = nnx.to_pure_dict(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), base,
-                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    frozen = sharding.abstract_with(pure, sharding.state_shardings(base, mesh, rules))
+    frozen = sharding.abstract_with(pure_abstract(base), sharding.state_shardings(base, mesh, rules))
   rows, length = config.batch_size, config.data.seq_len
   batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=spec.batch_sharding),
            "prompt_len": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding.batch_sharding(mesh, rules, 1))}
@@ -103,7 +95,7 @@ def decode_program(config, devices: list, *, method: str, batch: int, prompt_len
   """The whole jitted decode loop of the config's model (`method` 'd2f' or 'ar'), over `devices`."""
   from d2f_jax.decode.config import DecodeConfig
   from d2f_jax.decode.runner import decode_program as build
-  from d2f_jax.train import sharding
+  from d2f_jax import sharding
 
   mc = model_config_of(config, attention)
   sizes = mesh_shape or decode_mesh_shape(mc, len(devices))

@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from d2f_jax.reporting import format_table, write_report
-from d2f_jax.decode import DecodeConfig, DecodeModel, generate, generate_stepwise
+from d2f_jax.api import Model
+from d2f_jax.decode import DecodeConfig, generate, generate_stepwise
 from d2f_jax.models import Transformer, preset
 
 
@@ -30,14 +31,14 @@ E2E = preset("tiny-dream", vocab_size=96, embed_dim=128, num_layers=4, num_heads
 FAMILIES = {"micro-llada": MICRO, "e2e-dream": E2E}
 
 
-def build_model(family: str, seed: int, head_scale: float) -> DecodeModel:
+def build_model(family: str, seed: int, head_scale: float) -> Model:
   config = FAMILIES[family] if family in FAMILIES else preset(family)
   if config.num_layers > 4:
     raise SystemExit(f"{family!r} is not a tiny preset; this benchmark builds random weights")
   module = Transformer(config, rngs=nnx.Rngs(seed))
   if not config.tie_embeddings:
     module.lm_head[...] = module.lm_head[...] * head_scale
-  return DecodeModel.from_module(module)
+  return Model.from_module(module)
 
 
 def method_configs(args) -> dict[str, DecodeConfig]:

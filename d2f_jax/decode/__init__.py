@@ -10,12 +10,12 @@ On a mesh: `generate(model.shard(mesh), ...)` (or `mesh=`); `decode_program` com
 from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig, DecodeSpec, Knobs, resolve
 from d2f_jax.decode.mesh import DecodeMesh
 from d2f_jax.decode.result import DecodeResult
-from d2f_jax.decode.runner import (DecodeModel, DecodeProgram, StreamChunk, decode_program, generate,
+from d2f_jax.decode.runner import (DecodeProgram, StreamChunk, decode_program, generate,
                                    generate_stepwise, pack_prompts, shard_model, stream, trace_count,
                                    with_attention)
 
 __all__ = [
-    "DREAM_ALGS", "METHODS", "DecodeConfig", "DecodeSpec", "Knobs", "resolve", "DecodeResult", "DecodeModel",
+    "DREAM_ALGS", "METHODS", "DecodeConfig", "DecodeSpec", "Knobs", "resolve", "DecodeResult",
     "StreamChunk", "generate", "generate_stepwise", "pack_prompts", "stream", "trace_count", "DecodeMesh",
     "DecodeProgram", "decode_program", "shard_model", "with_attention",
 ]

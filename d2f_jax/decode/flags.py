@@ -67,38 +67,14 @@ def add_device_flags(parser) -> None:
                       help="jax.distributed.initialize(): 'auto' when the environment shows a multi-process launch")
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-  """'data=2,tensor=4' -> {'data': 2, 'tensor': 4}; names and sizes are checked."""
-  from d2f_jax.train.config import MESH_AXES
-
-  sizes: dict[str, int] = {}
-  for part in (p.strip() for p in text.split(",") if p.strip()):
-    axis, eq, value = part.partition("=")
-    axis = axis.strip()
-    if not eq or axis not in MESH_AXES:
-      raise ValueError(f"--mesh {text!r}: expected comma-separated axis=size with axes {', '.join(MESH_AXES)}")
-    if axis in sizes:
-      raise ValueError(f"--mesh {text!r}: axis {axis!r} is given twice")
-    try:
-      size = int(value)
-    except ValueError:
-      raise ValueError(f"--mesh {text!r}: size of {axis!r} must be an int, got {value.strip()!r}") from None
-    if size == 0 or size < -1:
-      raise ValueError(f"--mesh {text!r}: size of {axis!r} must be positive or -1, got {size}")
-    sizes[axis] = size
-  if not sizes:
-    raise ValueError(f"--mesh {text!r}: no axis given")
-  return sizes
-
-
 def setup_devices(args: argparse.Namespace, *, local: bool = False):
   """Start jax.distributed as --distributed says, then build the --mesh (None without one). `local`: the
   mesh spans this process's devices only (evaluation splits problems across processes instead).
   Call before any other JAX work. A bad flag exits naming it."""
-  from d2f_jax.train import sharding
+  from d2f_jax import sharding
 
   try:
-    sizes = parse_mesh(args.mesh) if args.mesh else None
+    sizes = sharding.parse_mesh(args.mesh) if args.mesh else None
   except ValueError as e:
     raise UsageError(str(e)) from e
   try:

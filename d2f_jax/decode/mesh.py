@@ -1,6 +1,6 @@
 """Decoding on a device mesh: where weights, prompt rows and loop state live, and the layout the loop is traced in.
 
-The mesh and logical-axis rules are training's (train/sharding.py: data x fsdp x tensor, heads / kv_heads /
+The mesh and logical-axis rules are training's (d2f_jax/sharding: data x fsdp x tensor, heads / kv_heads /
 mlp / vocab over tensor, embed over fsdp, rows over data x fsdp), so a checkpoint decodes on the mesh it was
 trained on. The static KV cache [L, B, S, K, D] splits rows like the batch and kv heads over the head axis
 where it divides them (models/kv_cache.py). The batch is padded up to a multiple of the row shards with
@@ -16,20 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from d2f_jax import sharding
 from d2f_jax.models.kv_cache import KVCache
-from d2f_jax.sharding_hints import MeshLayout, layout_from_rules
-from d2f_jax.train import sharding
-from d2f_jax.train.config import DEFAULT_RULES
-
-
-def normalize_rules(rules) -> sharding.Rules:
-  """Rules as a hashable tuple of (logical name, mesh axes) pairs (lists from a config become tuples)."""
-  rules = DEFAULT_RULES if rules is None else rules
-  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in rules)
+from d2f_jax.sharding import DEFAULT_RULES, MeshLayout, layout_from_rules, normalize_rules, to_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +88,6 @@ def place_state(state, placement: DecodeMesh):
   values = nnx.to_pure_dict(state)
 
   return _with_values(state, jax.tree.map(to_global, values, shardings))
-
-
-def to_global(x, target: NamedSharding) -> jax.Array:
-  """x (host or device array, the same value on every process) as a global array with `target`. A mesh
-  spanning several processes cannot be reached by device_put: each process then fills its own shards."""
-  if isinstance(x, jax.Array) and x.sharding == target:
-    return x
-  if target.is_fully_addressable:
-    return jax.device_put(x, target)
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    data = to_global(jax.random.key_data(x), target)
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-  return sharding.host_to_global(np.asarray(jax.device_get(x)), target)
 
 
 def pad_rows(prompt: jax.Array, prompt_len: jax.Array, batch: int):

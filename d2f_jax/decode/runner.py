@@ -10,8 +10,9 @@ shards and split over them, and the whole loop is traced inside `mesh_layout` (d
 kernels run in shard_map. `decode_program` builds the same jitted loop over abstract inputs for
 ahead-of-time compilation.
 
-Here: the entry points. The model handle is runner_model.py, input preparation runner_prepare.py, the jitted
-programs runner_programs.py and the ahead-of-time builder runner_aot.py; their public names are re-exported.
+Here: the entry points. Copies of a model handle are runner_model.py, input preparation runner_prepare.py, the
+jitted programs runner_programs.py and the ahead-of-time builder runner_aot.py; the handle itself is
+d2f_jax.api.Model.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import numpy as np
 from d2f_jax.decode.config import DecodeConfig, resolve
 from d2f_jax.decode.result import DecodeResult
 from d2f_jax.decode.runner_aot import DecodeProgram, decode_program
-from d2f_jax.decode.runner_model import DecodeModel, shard_model, with_attention
-from d2f_jax.decode.runner_prepare import _cut, _prepare, _Prepared, pack_prompts
-from d2f_jax.decode.runner_programs import _ALGORITHMS, _finish, _init, _run_loop, _step, trace_count
+from d2f_jax.decode.runner_model import shard_model, with_attention
+from d2f_jax.decode.runner_prepare import Prepared, cut_padding, pack_prompts, prepare
+from d2f_jax.decode.runner_programs import (ALGORITHMS, finish_program, init_program, run_loop, step_program,
+                                           trace_count)
 
 __all__ = [
-    "DecodeModel", "DecodeProgram", "StreamChunk", "decode_program", "generate", "generate_stepwise",
+    "DecodeProgram", "StreamChunk", "decode_program", "generate", "generate_stepwise",
     "pack_prompts", "resolve", "shard_model", "stream", "trace_count", "with_attention",
 ]
 
@@ -42,10 +44,10 @@ def generate(model, prompt_ids, config: DecodeConfig, *, mask=None, key=None, me
   mesh / rules: decode on this jax Mesh (axes data, fsdp, tensor) with these logical-axis rules (default:
   training's); weights not yet there are copied every call, so prefer `model.shard(mesh)` once.
   """
-  p = _prepare(model, prompt_ids, config, mask, key, mesh, rules)
-  result = _run_loop(model.graphdef, p.params, p.prompt, p.prompt_len, p.key, p.knobs, spec=p.spec,
+  p = prepare(model, prompt_ids, config, mask, key, mesh, rules)
+  result = run_loop(model.graphdef, p.params, p.prompt, p.prompt_len, p.key, p.knobs, spec=p.spec,
                      layout=p.layout)
-  return _cut(result, p.batch)
+  return cut_padding(result, p.batch)
 
 
 def generate_stepwise(model, prompt_ids, config: DecodeConfig, *, mask=None, key=None, mesh=None, rules=None
@@ -54,16 +56,16 @@ def generate_stepwise(model, prompt_ids, config: DecodeConfig, *, mask=None, key
   state = p = None
   for state, p in _steps(model, prompt_ids, config, mask, key, mesh, rules):
     pass
-  return _cut(_finish(state, p.knobs, spec=p.spec, layout=p.layout), p.batch)
+  return cut_padding(finish_program(state, p.knobs, spec=p.spec, layout=p.layout), p.batch)
 
 
-def _steps(model, prompt_ids, config, mask, key, mesh=None, rules=None) -> Iterator[tuple[Any, _Prepared]]:
-  p = _prepare(model, prompt_ids, config, mask, key, mesh, rules)
-  state, more = _init(model.graphdef, p.params, p.prompt, p.prompt_len, p.key, p.knobs, spec=p.spec,
+def _steps(model, prompt_ids, config, mask, key, mesh=None, rules=None) -> Iterator[tuple[Any, Prepared]]:
+  p = prepare(model, prompt_ids, config, mask, key, mesh, rules)
+  state, more = init_program(model.graphdef, p.params, p.prompt, p.prompt_len, p.key, p.knobs, spec=p.spec,
                       layout=p.layout)
   yield state, p
   while bool(more):  # the host sync the jitted loop avoids
-    state, more = _step(model.graphdef, p.params, state, p.knobs, spec=p.spec, layout=p.layout)
+    state, more = step_program(model.graphdef, p.params, state, p.knobs, spec=p.spec, layout=p.layout)
     yield state, p
 
 
@@ -82,7 +84,7 @@ def stream(model, prompt_ids: Sequence[int], config: DecodeConfig, *, key=None, 
     spec = p.spec
     if stops is None:
       stops = set(np.asarray(p.knobs.stop_ids).tolist()) - {-1}
-    ids = _ALGORITHMS[spec.method].settled(state, spec)
+    ids = ALGORITHMS[spec.method].settled(state, spec)
     for i, tok in enumerate(ids):
       if tok in stops:
         ids = ids[:i + 1]

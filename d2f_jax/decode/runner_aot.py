@@ -16,7 +16,7 @@ from flax import nnx
 from d2f_jax.decode.config import DecodeConfig, DecodeSpec, resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.decode.result import DecodeResult
-from d2f_jax.decode.runner_programs import _decode
+from d2f_jax.decode.runner_programs import decode_loop
 from d2f_jax.models import ModelConfig, Transformer
 
 
@@ -74,5 +74,5 @@ def decode_program(model, config: DecodeConfig, *, batch: int, prompt_width: int
   layout = placement.layout
 
   def fn(params, prompt, prompt_len, key, knobs):
-    return _decode(graphdef, params, prompt, prompt_len, key, knobs, spec, layout)
+    return decode_loop(graphdef, params, prompt, prompt_len, key, knobs, spec, layout)
   return DecodeProgram(fn=jax.jit(fn), args=args, spec=spec, batch=rows)

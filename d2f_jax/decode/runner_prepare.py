@@ -1,6 +1,6 @@
 """A decode call's inputs made ready: config resolved, prompts packed, limits checked, rows placed on the mesh.
 
-`_prepare` returns everything the jitted programs take (`_Prepared`); `_cut` drops the padding rows a mesh
+`prepare` returns everything the jitted programs take (`Prepared`); `cut_padding` drops the padding rows a mesh
 needed from the result.
 """
 
@@ -18,7 +18,7 @@ from d2f_jax.decode.config import DecodeConfig, DecodeSpec, Knobs, resolve
 from d2f_jax.decode.mesh import as_decode_mesh, place_inputs, place_state
 from d2f_jax.decode.result import DecodeResult
 from d2f_jax.models import ModelConfig
-from d2f_jax.sharding_hints import MeshLayout
+from d2f_jax.sharding.layout import MeshLayout
 
 
 def pack_prompts(prompts, config: DecodeConfig, model_config: ModelConfig, mask=None):
@@ -36,7 +36,7 @@ def pack_prompts(prompts, config: DecodeConfig, model_config: ModelConfig, mask=
   return jnp.asarray(packed), jnp.asarray([r.size for r in rows], jnp.int32)
 
 
-class _Prepared(NamedTuple):
+class Prepared(NamedTuple):
   spec: DecodeSpec
   knobs: Knobs
   params: Any
@@ -67,12 +67,12 @@ def _default_key() -> jax.Array:
   return jax.random.key(0)
 
 
-def _prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> _Prepared:
+def prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> Prepared:
   if not isinstance(config, DecodeConfig):
     raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
   for attr in ("config", "graphdef", "state"):
     if not hasattr(model, attr):
-      raise TypeError(f"model must have .config, .graphdef and .state (a LoadedModel or DecodeModel); "
+      raise TypeError(f"model must have .config, .graphdef and .state (a d2f_jax.Model); "
                       f"{type(model).__name__} has no .{attr}")
   try:
     spec, knobs = _resolved(config, model.config)
@@ -87,12 +87,12 @@ def _prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> _P
     limits.check_memory(model.config, prompt.shape[0], prompt.shape[1] + spec.max_new_tokens, model.state,
                         devices, config.memory_budget_gib)
   if placement is None:
-    return _Prepared(spec, knobs, model.state, prompt, prompt_len, key, None, prompt.shape[0])
+    return Prepared(spec, knobs, model.state, prompt, prompt_len, key, None, prompt.shape[0])
   params = place_state(model.state, placement)  # no copy when the model was `shard`ed on this mesh
   padded, padded_len, key, knobs = place_inputs(placement, prompt, prompt_len, key, knobs)
-  return _Prepared(spec, knobs, params, padded, padded_len, key, placement.layout, prompt.shape[0])
+  return Prepared(spec, knobs, params, padded, padded_len, key, placement.layout, prompt.shape[0])
 
 
-def _cut(result: DecodeResult, batch: int) -> DecodeResult:
+def cut_padding(result: DecodeResult, batch: int) -> DecodeResult:
   """Drop the padding rows a mesh needed."""
   return result if result.tokens.shape[0] == batch else jax.tree.map(lambda x: x[:batch], result)

@@ -1,7 +1,7 @@
 """The jitted decode programs: each method's init / step / running / finish, and the jit-cached loop over them.
 
-`_run_loop` is init + `lax.while_loop` + finish in one jit (what `generate` runs); `_init`, `_step` and
-`_finish` are the same pieces jitted apart, for host-driven stepping. Each is traced in the mesh layout
+`run_loop` is init + `lax.while_loop` + finish in one jit (what `generate` runs); `init_program`, `step_program` and
+`finish_program` are the same pieces jitted apart, for host-driven stepping. Each is traced in the mesh layout
 with the loop state pinned to it every step; `trace_count` counts their traces (compiles).
 """
 
@@ -18,7 +18,7 @@ from d2f_jax.decode import baselines, pipeline
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state, replicate
 from d2f_jax.decode.result import DecodeResult
-from d2f_jax.sharding_hints import MeshLayout, mesh_layout
+from d2f_jax.sharding.layout import MeshLayout, mesh_layout
 
 
 class Algorithm(NamedTuple):
@@ -33,7 +33,7 @@ class Algorithm(NamedTuple):
 
 _FULL = Algorithm(baselines.init_full, baselines.step_full, baselines.running_full, baselines.finish_full,
                   baselines.settled_full)
-_ALGORITHMS = {  # by DecodeSpec.method ('threshold' resolves to d2f)
+ALGORITHMS = {  # by DecodeSpec.method ('threshold' resolves to d2f)
     "d2f": Algorithm(pipeline.init, pipeline.step, pipeline.running, pipeline.finish, pipeline.settled),
     "vanilla": _FULL,
     "dream_vanilla": _FULL,
@@ -49,10 +49,10 @@ def trace_count(name: str | None = None) -> int:
   return sum(_TRACES.values()) if name is None else _TRACES[name]
 
 
-def _decode(graphdef, params, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec,
+def decode_loop(graphdef, params, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec,
             layout: MeshLayout | None) -> DecodeResult:
   """init + while_loop + finish, traced in `layout` with the loop state pinned to it every step."""
-  init, step, running, finish, _ = _ALGORITHMS[spec.method]
+  init, step, running, finish, _ = ALGORITHMS[spec.method]
   pin = functools.partial(constrain_loop_state, layout=layout, batch=prompt.shape[0])
   with mesh_layout(layout):
     model = nnx.merge(graphdef, params)
@@ -62,16 +62,16 @@ def _decode(graphdef, params, prompt, prompt_len, key, knobs: Knobs, spec: Decod
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"))
-def _run_loop(graphdef, params, prompt, prompt_len, key, knobs: Knobs, *, spec: DecodeSpec,
+def run_loop(graphdef, params, prompt, prompt_len, key, knobs: Knobs, *, spec: DecodeSpec,
               layout: MeshLayout | None = None) -> DecodeResult:
   _TRACES["loop"] += 1
-  return _decode(graphdef, params, prompt, prompt_len, key, knobs, spec, layout)
+  return decode_loop(graphdef, params, prompt, prompt_len, key, knobs, spec, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"))
-def _init(graphdef, params, prompt, prompt_len, key, knobs, *, spec, layout=None):
+def init_program(graphdef, params, prompt, prompt_len, key, knobs, *, spec, layout=None):
   _TRACES["init"] += 1
-  init, running = _ALGORITHMS[spec.method].init, _ALGORITHMS[spec.method].running
+  init, running = ALGORITHMS[spec.method].init, ALGORITHMS[spec.method].running
   with mesh_layout(layout):
     state = init(nnx.merge(graphdef, params), prompt, prompt_len, key, knobs, spec)
     state = constrain_loop_state(state, layout, prompt.shape[0])
@@ -79,9 +79,9 @@ def _init(graphdef, params, prompt, prompt_len, key, knobs, *, spec, layout=None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"))
-def _step(graphdef, params, state, knobs, *, spec, layout=None):
+def step_program(graphdef, params, state, knobs, *, spec, layout=None):
   _TRACES["step"] += 1
-  step, running = _ALGORITHMS[spec.method].step, _ALGORITHMS[spec.method].running
+  step, running = ALGORITHMS[spec.method].step, ALGORITHMS[spec.method].running
   with mesh_layout(layout):
     state = step(nnx.merge(graphdef, params), state, knobs, spec)
     state = constrain_loop_state(state, layout, state.prompt_len.shape[0])
@@ -89,5 +89,5 @@ def _step(graphdef, params, state, knobs, *, spec, layout=None):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "layout"))
-def _finish(state, knobs, *, spec, layout=None):
-  return replicate(_ALGORITHMS[spec.method].finish(state, knobs, spec), layout)
+def finish_program(state, knobs, *, spec, layout=None):
+  return replicate(ALGORITHMS[spec.method].finish(state, knobs, spec), layout)

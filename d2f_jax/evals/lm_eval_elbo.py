@@ -19,7 +19,7 @@ def _bucket(n: int, multiple: int) -> int:
 def masked_elbo(model, prefix: list[int], target: list[int], *, samples: int = 32, seed: int = 0, batch: int = 16,
                 bucket: int = 64) -> tuple[float, bool]:
   """(ELBO estimate of log p(target | prefix), whether the one-step argmax with the whole target masked is
-  the target). model: a LoadedModel (bidirectional logits); samples: Monte Carlo draws of (l, mask)."""
+  the target). model: a d2f_jax.Model (bidirectional logits); samples: Monte Carlo draws of (l, mask)."""
   import jax
 
   if not target:

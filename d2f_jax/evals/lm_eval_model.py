@@ -46,7 +46,7 @@ def cut_at_stops(text: str, until: list[str]) -> str:
 class D2FJaxLM(LM):
   """lm-eval model over d2f_jax.load_model + d2f_jax.decode.generate.
 
-  pretrained: HF or converted checkpoint directory (or pass `model`, a LoadedModel, from Python).
+  pretrained: HF or converted checkpoint directory (or pass `model`, a d2f_jax.Model, from Python).
   add_bos: prepend BOS to every context that does not start with it (the D2F authors' GSM8K setting).
   batch_size: contexts per generate call. The remaining keyword arguments are DecodeConfig fields.
   """
@@ -64,7 +64,7 @@ class D2FJaxLM(LM):
       raise ValueError(f"d2f_jax model_args: unknown option(s) {', '.join(unknown)}; decoding options are "
                        f"{', '.join(_DECODE_FIELDS)}")
     if (model is None) == (pretrained is None):
-      raise ValueError("d2f_jax model_args: give exactly one of pretrained=PATH or model=LoadedModel")
+      raise ValueError("d2f_jax model_args: give exactly one of pretrained=PATH or model=d2f_jax.Model")
     self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
     if self.batch_size < 1:
       raise ValueError(f"d2f_jax: batch_size must be a positive int, got {batch_size!r}")
@@ -213,9 +213,8 @@ def _make_mesh(text: str):
   """A jax Mesh from 'data=1,tensor=8' (the --mesh syntax of generate / evaluate; ';' may stand for ',')."""
   import jax
 
-  from d2f_jax.decode.flags import parse_mesh
-  from d2f_jax.train import sharding
-  return sharding.make_mesh(parse_mesh(text.replace(";", ",")), jax.devices())
+  from d2f_jax import sharding
+  return sharding.make_mesh(sharding.parse_mesh(text.replace(";", ",")), jax.devices())
 
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")

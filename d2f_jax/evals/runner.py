@@ -100,7 +100,7 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
                   processes: Processes | None = None) -> dict:
   """Generate for every item of `task`, score, time, and (with `out_dir`) write results.json + samples.jsonl.
 
-  model: a LoadedModel (anything with .config, .graphdef, .state, .encode, .decode; a `shard`ed one decodes
+  model: a d2f_jax.Model (anything with .config, .graphdef, .state, .encode, .decode; a `shard`ed one decodes
   on its mesh). warmup: 'shapes' (one untimed call per distinct prompt shape, so no compile is timed),
   'first' (the first batch only) or 'none'. processes: this process's share and the gather (default: the
   JAX job's processes); every process returns the merged results, process 0 writes the files.

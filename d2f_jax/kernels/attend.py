@@ -21,7 +21,7 @@ from d2f_jax.kernels.flash_attention import flash_attention
 from d2f_jax.kernels.sharded import KV, QUERY, ROWS, sharded_kernel_call
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
 from d2f_jax.kernels.reference import attention_reference
-from d2f_jax.sharding_hints import MeshLayout, current_layout
+from d2f_jax.sharding.layout import MeshLayout, current_layout
 
 
 def _kernel_options(impl: str) -> tuple[str, str | bool]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from d2f_jax.sharding_hints import MeshLayout
+from d2f_jax.sharding.layout import MeshLayout
 
 # Argument kinds: how each kernel argument is laid out.
 QUERY = "query"  # [B, T, H, D]: batch, -, query heads, -

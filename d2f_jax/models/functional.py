@@ -18,11 +18,6 @@ from d2f_jax.models.layers import positions_from_mask
 from d2f_jax.models.transformer import align_logits
 
 
-def split(model: nnx.Module):
-  """(graphdef, state) of a model: the static graph and every variable (params and LoRA)."""
-  return nnx.split(model)
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def forward(graphdef, state, tokens, positions, ids, cache: KVCache | None = None):
   """Raw logits [B, T, V] (fp32) and the window's K/V [L, B, T, K, D] for explicit positions and ids."""

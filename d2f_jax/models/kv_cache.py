@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d2f_jax.models.attention import PAD_ID
 from d2f_jax.models.config import ModelConfig
-from d2f_jax.sharding_hints import MeshLayout, current_layout
+from d2f_jax.sharding.layout import MeshLayout, current_layout
 
 
 @flax.struct.dataclass

@@ -17,7 +17,7 @@ from d2f_jax import kernels
 from d2f_jax.models import layers as L
 from d2f_jax.models.config import LoraConfig, ModelConfig
 from d2f_jax.models.kv_cache import KVCache
-from d2f_jax.sharding_hints import constrain_batch
+from d2f_jax.sharding.layout import constrain_batch
 
 # Our weight name -> (logical axes after the layers axis, LoRA a-axes, LoRA b-axes)
 _PROJ_AXES = {

@@ -19,24 +19,9 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
-MESH_AXES = ("data", "fsdp", "tensor")
-MODEL_INITS = ("path", "random")
+from d2f_jax.sharding.rules import DEFAULT_RULES, MESH_AXES  # the one home of the mesh axes and rules
 
-# maxtext-style rules: logical axis -> mesh axes (tried in order; a mesh axis is used once per array, and a
-# dimension it does not divide stays replicated). Parameters are FSDP-sharded on `embed`, tensor-parallel on
-# heads / mlp / vocab; activations split their batch over data x fsdp.
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("layers", None),
-    ("head_dim", None),
-    ("lora_rank", None),
-    ("length", None),
-)
+MODEL_INITS = ("path", "random")
 
 # name -> (mesh sizes, global batch, micro batches). Global batch = sequences per optimizer step.
 HARDWARE = {

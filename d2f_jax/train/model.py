@@ -21,7 +21,7 @@ from flax import nnx
 
 from d2f_jax import convert
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, preset
-from d2f_jax.train import sharding
+from d2f_jax import sharding
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def _abstract(config: ModelConfig, lora: LoraConfig | None) -> Transformer:
   return nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
 
 
-def _pure_abstract(state: nnx.State) -> dict:
+def pure_abstract(state: nnx.State) -> dict:
+  """Pure-dict tree of ShapeDtypeStructs of an (abstract) nnx.State: the targets jit and orbax take."""
   return nnx.to_pure_dict(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state,
                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
@@ -96,13 +97,14 @@ SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_he
                 "qkv_bias", "tie_embeddings", "family")
 
 
-def model_config(model_cfg, *, remat: bool = False) -> ModelConfig:
+def model_config(model_cfg, *, remat: bool = False, resolved_dir: str | None = None) -> ModelConfig:
   """ModelConfig of the base in `model.dtype`: read from `model.path` (HF or converted) or built from
-  `model.preset` and `model.overrides` (a dict of ModelConfig fields; with no preset it must name them all)."""
+  `model.preset` and `model.overrides` (a dict of ModelConfig fields; with no preset it must name them all).
+  resolved_dir: `model.path` already resolved by convert.resolve_model_dir (a Hub id is looked up once)."""
   overrides = model_cfg.get("overrides") or {}
   overrides = dict(overrides.to_dict() if hasattr(overrides, "to_dict") else overrides)
   if model_cfg.get("init", "path") == "path" and model_cfg.path:
-    path = convert.resolve_model_dir(model_cfg.path, what="config.model.path")
+    path = resolved_dir or convert.resolve_model_dir(model_cfg.path, what="config.model.path")
     config, lora = convert.read_model_config(path)
     if lora is not None:
       raise ValueError(f"config.model.path={path!r} carries a LoRA adapter; distil from a merged base "
@@ -121,29 +123,19 @@ def model_config(model_cfg, *, remat: bool = False) -> ModelConfig:
   except TypeError as e:  # an unknown field, or (no preset) a missing one
     known = [f.name for f in dataclasses.fields(ModelConfig)]
     raise ValueError(f"config.model.overrides={overrides!r}: {e}; ModelConfig fields: {known}") from e
-  config = config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype)
-  return with_remat(config, remat)
-
-
-def with_remat(config: ModelConfig, remat: bool) -> ModelConfig:
-  """`config` with ModelConfig.remat set; a no-op warning while the field does not exist yet."""
-  if any(f.name == "remat" for f in dataclasses.fields(ModelConfig)):
-    return config.replace(remat=bool(remat))
-  if remat:
-    log.warning("config.remat=True is ignored: this ModelConfig has no `remat` field yet")
-  return config
+  return config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype, remat=bool(remat))
 
 
 def load_base(models: TrainModels, path: str | None, seed: int, shardings: dict, *, progress: bool = False) -> dict:
   """Base parameters laid out with `shardings`: restored from a converted directory, streamed from an HF
-  checkpoint, or (no path) randomly initialised on the devices."""
+  checkpoint, or (no path) randomly initialised on the devices. `path` is a local directory, already
+  resolved by convert.resolve_model_dir."""
   dtype = models.config.param_dtype
   if path is None:
     def init():
       return nnx.to_pure_dict(nnx.state(Transformer(models.config, None, rngs=nnx.Rngs(seed)), nnx.Param))
     return jax.jit(init, out_shardings=shardings)()
-  target = sharding.abstract_with(_pure_abstract(models.abstract_base()), shardings)
-  path = convert.resolve_model_dir(path, what="config.model.path")
+  target = sharding.abstract_with(pure_abstract(models.abstract_base()), shardings)
   if convert.checkpoint_kind(path) == "converted":  # orbax restores straight into the shardings
     _, params, _, _ = convert.load_params(path, target=target)
     return jax.tree.map(lambda x, t: x.astype(t.dtype) if x.dtype != t.dtype else x, params, target)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from d2f_jax.train import sharding
-from d2f_jax.train.model import TrainModels, _pure_abstract, init_trainable
+from d2f_jax import sharding
+from d2f_jax.train.model import TrainModels, pure_abstract, init_trainable
 from d2f_jax.train.optim import OptimSpec, make_optimizer
 
 
@@ -43,7 +43,7 @@ def state_shardings(models: TrainModels, optim: OptimSpec, mesh: Mesh, rules: sh
   abstract = models.abstract_trainable()
   params = sharding.state_shardings(abstract, mesh, rules)
   opt = make_optimizer(optim)
-  opt_abstract = jax.eval_shape(opt.init, _pure_abstract(abstract))
+  opt_abstract = jax.eval_shape(opt.init, pure_abstract(abstract))
   rep = sharding.replicated(mesh)
   opt_state = optax.tree_map_params(opt, lambda _, s: s, opt_abstract, params, transform_non_params=lambda _: rep)
   return TrainState(step=rep, params=params, opt_state=opt_state, rng=rep)
@@ -51,7 +51,7 @@ def state_shardings(models: TrainModels, optim: OptimSpec, mesh: Mesh, rules: sh
 
 def abstract_state(models: TrainModels, optim: OptimSpec, mesh: Mesh, rules: sharding.Rules) -> TrainState:
   """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
-  params = _pure_abstract(models.abstract_trainable())
+  params = pure_abstract(models.abstract_trainable())
   shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
                       opt_state=jax.eval_shape(make_optimizer(optim).init, params),
                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32))

@@ -8,7 +8,6 @@ fsdp split of it), whatever `micro_batches` is.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -17,8 +16,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from d2f_jax.sharding_hints import MeshLayout, batch_sharded_activations, layout_from_rules, mesh_layout
-from d2f_jax.train import objectives, sharding
+from d2f_jax import sharding
+from d2f_jax.sharding import MeshLayout, layout_from_rules, mesh_layout
+from d2f_jax.train import objectives
 from d2f_jax.train.model import TrainModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
 from d2f_jax.train.schedule import Schedule
@@ -38,23 +38,17 @@ class StepSpec:
   batch_sharding: NamedSharding | None = None  # rows of each microbatch inside the step
   objective: str = "distill"  # a key of objectives.OBJECTIVES
   mdm_eps: float = 1e-3  # mdm: the mask ratio t ~ U(mdm_eps, 1)
-  # How the model's activations and kernel calls split on the mesh; None: batch_sharding's rows, heads
-  # replicated (compiled_train_step fills it from the mesh and rules).
+  # How the model's activations and kernel calls split on the mesh: the rules' layout (spec_from_config and
+  # the compiled steps fill it from the mesh and rules); None only for a spec used off any mesh.
   layout: MeshLayout | None = None
 
   def __post_init__(self):
     if objectives.get(self.objective).teacher and not self.models.teacher:
       raise ValueError(f"objective {self.objective!r} needs a teacher: TrainModels.create(..., teacher=True)")
 
-  @contextlib.contextmanager
   def traced_layout(self):
-    """The context the model is traced in: `layout`, or batch_sharding's rows without one."""
-    if self.layout is not None:
-      with mesh_layout(self.layout):
-        yield
-    else:
-      with batch_sharded_activations(self.batch_sharding):
-        yield
+    """The context the model is traced in, by the train step and the eval step alike."""
+    return mesh_layout(self.layout)
 
   def with_layout(self, mesh: Mesh, rules: sharding.Rules) -> "StepSpec":
     """This spec with the layout the rules give activations on `mesh` (unchanged when it has one)."""
@@ -72,7 +66,7 @@ def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Ru
                   optim=OptimSpec.from_config(config.optim, config.total_steps), block_size=config.block_size,
                   micro_batches=config.micro_batches, loss_chunk=config.loss_chunk,
                   batch_sharding=sharding.batch_sharding(mesh, rules), objective=config.objective,
-                  mdm_eps=float(config.mdm.eps))
+                  mdm_eps=float(config.mdm.eps), layout=layout_from_rules(mesh, rules))
 
 
 def _microbatches(tree, m: int, batch_sharding):
@@ -152,8 +146,7 @@ def compiled_train_step(spec: StepSpec, mesh: Mesh, rules: sharding.Rules):
 
 
 @functools.lru_cache(maxsize=16)
-def compiled_eval(spec: StepSpec, mesh: Mesh, rules: sharding.Rules | None = None):
-  """jit(eval_sums); with `rules`, traced in their layout (as the train step is)."""
-  if rules is not None:
-    spec = spec.with_layout(mesh, rules)
+def compiled_eval(spec: StepSpec, mesh: Mesh, rules: sharding.Rules):
+  """jit(eval_sums), traced in the rules' layout exactly as the train step is."""
+  spec = spec.with_layout(mesh, rules)
   return jax.jit(functools.partial(eval_sums, spec), out_shardings=sharding.replicated(mesh))

@@ -25,11 +25,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from d2f_jax import convert, sharding
 from d2f_jax.models import LoraConfig
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
-from d2f_jax.train import divergence, objectives, sharding
+from d2f_jax.train import divergence, objectives
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
 from d2f_jax.train.model import TrainModels, export_student, load_base, model_config
 from d2f_jax.train.state import abstract_state, create_state
@@ -39,11 +40,6 @@ from d2f_jax.train.synthetic import ensure_synthetic
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _rules(config) -> sharding.Rules:
-  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
-               for name, axes in config.logical_axis_rules)
 
 
 def lora_config(config) -> LoraConfig | None:
@@ -72,7 +68,7 @@ class Trainer:
                                      keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     config_lib.check_resume(self.workdir, config, self.checkpointer.latest_step())  # before anything is written
     self.mesh = sharding.make_mesh(config.mesh)
-    self.rules = _rules(config)
+    self.rules = sharding.normalize_rules(config.logical_axis_rules)
     self.model_path, data_path, self.tokenizer_dir = self._paths()
     self._setup_models()
     self._setup_data(data_path)
@@ -93,7 +89,10 @@ class Trainer:
     c = self.config
     random_init = c.model.init == "random"
     if not c.model.synthetic:
-      return (None if random_init else c.model.path), c.data.path, c.data.tokenizer or c.model.path
+      if random_init or not c.model.path:
+        return None, c.data.path, c.data.tokenizer or c.model.path
+      model_dir = convert.resolve_model_dir(c.model.path, what="config.model.path")  # the one look-up
+      return model_dir, c.data.path, c.data.tokenizer or model_dir
     directory = os.path.join(self.workdir, "synthetic")
     base = model_config(c.model)
     if self.is_main:
@@ -109,8 +108,8 @@ class Trainer:
     with model_cfg.unlocked():
       model_cfg.path = self.model_path
     obj = objectives.get(c.objective)
-    self.models = TrainModels.create(model_config(model_cfg, remat=c.remat), lora_config(c), c.train_dtype,
-                                       teacher=obj.teacher)
+    base = model_config(model_cfg, remat=c.remat, resolved_dir=self.model_path)
+    self.models = TrainModels.create(base, lora_config(c), c.train_dtype, teacher=obj.teacher)
     self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
     self.frozen = self._load_base() if self.models.keeps_base else {}
     self.spec = spec_from_config(c, self.models, self.mesh, self.rules)
@@ -168,7 +167,7 @@ class Trainer:
     fixed key, so evaluations at different steps are comparable."""
     if not self.eval_data:
       return {}
-    fn = compiled_eval(self.spec, self.mesh)
+    fn = compiled_eval(self.spec, self.mesh, self.rules)
     key = jax.random.PRNGKey(self.config.seed + 2)
     totals = None
     for i, local in enumerate(self.eval_data):

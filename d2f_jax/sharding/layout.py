@@ -19,10 +19,11 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+
+from d2f_jax.sharding.rules import rule_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,36 +86,13 @@ def current_layout() -> MeshLayout | None:
   return _LAYOUT.get()
 
 
-def _rule_axes(rules, name: str, mesh) -> tuple[str, ...]:
-  target: Any = dict(rules).get(name)
-  axes = (target,) if isinstance(target, str) else tuple(target or ())
-  for axis in axes:
-    if axis not in mesh.shape:
-      raise ValueError(f"logical_axis_rules maps {name!r} to mesh axis {axis!r}; mesh axes are {mesh.axis_names}")
-  return axes
-
-
 def layout_from_rules(mesh, rules) -> MeshLayout:
-  """The layout the trainer's logical-axis rules (train/sharding.py) give activations: the batch over the
+  """The layout the trainer's logical-axis rules (sharding/rules.py) give activations: the batch over the
   'batch' rule's mesh axes, heads over the first axis of the 'heads' rule that has size > 1 and is not
   already a batch axis (an axis splits one dimension of an array only, as in `logical_spec`)."""
-  batch_axes = tuple(a for a in _rule_axes(rules, "batch", mesh) if mesh.shape[a] > 1)
-  heads = [a for a in _rule_axes(rules, "heads", mesh) if mesh.shape[a] > 1 and a not in batch_axes]
+  batch_axes = tuple(a for a in rule_axes(rules, "batch", mesh) if mesh.shape[a] > 1)
+  heads = [a for a in rule_axes(rules, "heads", mesh) if mesh.shape[a] > 1 and a not in batch_axes]
   return MeshLayout(mesh=mesh, batch_axes=batch_axes, head_axis=heads[0] if heads else None)
-
-
-@contextlib.contextmanager
-def batch_sharded_activations(sharding: NamedSharding | None):
-  """Trace the model inside this to keep activations split over the batch axes of `sharding` ([B, ...]);
-  the same as `mesh_layout` with those batch axes and heads replicated."""
-  if sharding is None:
-    layout = None
-  else:
-    first = sharding.spec[0] if len(sharding.spec) else None
-    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    layout = MeshLayout(mesh=sharding.mesh, batch_axes=axes, head_axis=None)
-  with mesh_layout(layout):
-    yield
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
