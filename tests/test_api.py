@@ -98,3 +98,23 @@ def test_dtype_argument_casts_weights(tmp_path):
   full = np.asarray(d2f_jax.load_model(hf_dir).logits(tokens))
   half = np.asarray(model.logits(tokens))
   np.testing.assert_allclose(half, full, atol=0.15)  # bf16 compute of a 2-layer model
+
+
+def test_generate_text_is_the_id_level_decode_through_the_tokenizer(tmp_path):
+  """model.generate(text) -> str equals decode.generate on the encoded ids, cut at the first stop token and
+  decoded; a list of prompts decodes as one batch with each row's batch-1 text."""
+  from d2f_jax.decode import DecodeConfig, generate
+  hf_dir = tmp_path / "hf"
+  synthetic.write_hf_checkpoint(hf_dir, TINY_DREAM, seed=3, dtype="float32")
+  model = d2f_jax.load_model(hf_dir)
+  settings = dict(block_size=4, max_new_tokens=8, tau_add=0.0, tau_act=0.0, tau_conf=0.0)
+  prompts = ["w5 w7 w9", "w11 w3"]
+  texts = model.generate(prompts, method="d2f", **settings)
+  for prompt, text in zip(prompts, texts):
+    ids = generate(model, [model.encode(prompt)], DecodeConfig(method="d2f", **settings)).to_lists()[0]
+    assert ids, "the tiny model decoded nothing: the comparison would be empty"
+    assert text == model.decode(ids) == model.generate(prompt, method="d2f", **settings)
+  with pytest.raises(TypeError, match="string or a non-empty list"):
+    model.generate([1, 2, 3])
+  with pytest.raises(ValueError, match="block_size"):
+    model.generate("w5", block_size=3, max_new_tokens=8)

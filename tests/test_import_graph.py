@@ -141,3 +141,72 @@ def test_files_stay_short():
   long_files = [f"{path.relative_to(PACKAGE.parent)}: {n} lines" for path in PACKAGE.rglob("*.py")
                 if (n := len(path.read_text().splitlines())) > MAX_LINES]
   assert not long_files, f"files over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(long_files)
+
+
+INFERENCE_UNITS = ("decode", "models", "kernels", "convert")
+
+
+def test_inference_never_imports_training():
+  """The floors above already forbid it; stated on its own because it is the rule users rely on: a decode-only
+  install path never pulls in the trainer."""
+  arrows = sorted(f"{m} -> {t}" for m, targets in _graph().items() if m.count(".") and _unit(m) in INFERENCE_UNITS
+                  for t in targets if _unit(t) == "train")
+  assert not arrows, "inference modules importing train/:\n" + "\n".join(arrows)
+
+
+def _private_imports() -> list[str]:
+  found = []
+  for path in PACKAGE.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("d2f_jax"):
+        found += [f"{path.relative_to(PACKAGE.parent)}: from {node.module} import {a.name}" for a in node.names
+                  if a.name.startswith("_") and not a.name.startswith("__")]
+  return found
+
+
+def test_no_private_name_is_imported_across_modules():
+  private = _private_imports()
+  assert not private, "private names imported from another module (give them a public name):\n" + "\n".join(private)
+
+
+# Names that must have exactly one definition in the package (imports and re-exports are fine).
+DEFINED_ONCE = ("MESH_AXES", "DEFAULT_RULES", "make_mesh", "parse_mesh", "normalize_rules", "logical_spec",
+                "MeshLayout", "layout_from_rules")
+
+
+def _definitions() -> dict[str, list[str]]:
+  where: dict[str, list[str]] = {name: [] for name in DEFINED_ONCE}
+  for path in PACKAGE.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        names = [node.name]
+      elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+      else:
+        continue
+      for name in names:
+        if name in where:
+          where[name].append(str(path.relative_to(PACKAGE.parent)))
+  return where
+
+
+def test_mesh_rules_and_mesh_building_are_defined_once():
+  where = _definitions()
+  wrong = {name: paths for name, paths in where.items() if len(paths) != 1}
+  assert not wrong, f"defined other than once: {wrong}"
+  assert all(paths[0].startswith("d2f_jax/sharding/") for paths in where.values()), where
+
+
+def test_the_private_import_and_definition_checks_can_fail(tmp_path, monkeypatch):
+  fake = tmp_path / "d2f_jax"
+  (fake / "sharding").mkdir(parents=True)
+  (fake / "decode").mkdir()
+  (fake / "sharding" / "rules.py").write_text("DEFAULT_RULES = ()\nMESH_AXES = ()\n")
+  (fake / "decode" / "mesh.py").write_text("from d2f_jax.sharding.rules import _helper\nDEFAULT_RULES = ()\n"
+                                           "def make_mesh(): pass\n")
+  monkeypatch.setitem(globals(), "PACKAGE", fake)
+  assert _private_imports() == ["d2f_jax/decode/mesh.py: from d2f_jax.sharding.rules import _helper"]
+  where = _definitions()
+  assert sorted(where["DEFAULT_RULES"]) == ["d2f_jax/decode/mesh.py", "d2f_jax/sharding/rules.py"]
+  assert "DEFAULT_RULES" in _failure_of(test_mesh_rules_and_mesh_building_are_defined_once)

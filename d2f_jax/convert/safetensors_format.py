@@ -25,7 +25,7 @@ DTYPES: dict[str, np.dtype] = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
-_CODES = {dtype: code for code, dtype in DTYPES.items()}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
 class SafetensorsError(ConvertError):
@@ -34,9 +34,9 @@ class SafetensorsError(ConvertError):
 
 def dtype_code(dtype) -> str:
   dtype = np.dtype(dtype)
-  if dtype not in _CODES:
-    raise SafetensorsError(f"dtype {dtype} has no safetensors code; supported: {sorted(map(str, _CODES))}")
-  return _CODES[dtype]
+  if dtype not in DTYPE_CODES:
+    raise SafetensorsError(f"dtype {dtype} has no safetensors code; supported: {sorted(map(str, DTYPE_CODES))}")
+  return DTYPE_CODES[dtype]
 
 
 @dataclasses.dataclass(frozen=True)

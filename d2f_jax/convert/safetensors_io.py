@@ -19,7 +19,7 @@ import struct
 import numpy as np
 import safetensors
 
-from d2f_jax.convert.safetensors_format import (_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
+from d2f_jax.convert.safetensors_format import (DTYPE_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
                                                 TensorInfo, dtype_code)
 from d2f_jax.convert.safetensors_write import TensorSpec, plan_shards, save_file, write_file, write_sharded
 
@@ -103,9 +103,9 @@ def _library_check(path: str, infos: dict[str, TensorInfo]) -> None:
       names = set(f.keys())
       for name in names & set(infos):
         sl = f.get_slice(name)
-        if tuple(sl.get_shape()) != infos[name].shape or sl.get_dtype() != _CODES[infos[name].dtype]:
+        if tuple(sl.get_shape()) != infos[name].shape or sl.get_dtype() != DTYPE_CODES[infos[name].dtype]:
           raise SafetensorsError(f"{path}: tensor {name!r} reads as {sl.get_dtype()} {sl.get_shape()} through the "
-                                 f"safetensors library but {_CODES[infos[name].dtype]} {list(infos[name].shape)} "
+                                 f"safetensors library but {DTYPE_CODES[infos[name].dtype]} {list(infos[name].shape)} "
                                  "through the header (corrupt header)")
   except SafetensorsError:
     raise
