@@ -170,14 +170,27 @@ class DecodeSpec:
 
 @flax.struct.dataclass
 class Knobs:
-  """Traced decode parameters: changing them never recompiles."""
+  """Traced decode parameters: changing them never recompiles.
+
+  Each is one value for the whole batch (`resolve`), or one per row (a leading [B] axis: the serving
+  engine, where every slot holds a request with its own settings); the decoders broadcast either way.
+  """
 
   add_count: jax.Array  # int32: decoded tokens the last block needs before a new block is appended
   act_count: jax.Array  # int32: decoded tokens block i-1 needs before block i is fully activated
   tau_conf: jax.Array  # f32
-  temperature: jax.Array  # f32
+  temperature: jax.Array  # f32; 0 = greedy (a row of a sampling batch may be greedy)
   top_p: jax.Array  # f32
   stop_ids: jax.Array  # [MAX_STOP_TOKENS] int32, -1 = unused
+  block_limit: jax.Array  # int32: response blocks a row may append (its max_new_tokens / block_size)
+  in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
+
+
+def per_row(x: jax.Array, ndim: int) -> jax.Array:
+  """A scalar knob, or a per-row one [B], shaped to broadcast against an array of `ndim` dims whose first
+  axis is the batch: [B] -> [B, 1, ...]."""
+  x = jnp.asarray(x)
+  return x if x.ndim == 0 else x.reshape(x.shape[:1] + (1,) * (ndim - 1) + x.shape[1:])
 
 
 def decoded_count_needed(tau: float, block_size: int) -> int:
@@ -221,8 +234,9 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
-                tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(max(run.temperature, 1e-6)),
-                top_p=jnp.float32(run.top_p), stop_ids=jnp.asarray(stop_array, jnp.int32))
+                tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),
+                top_p=jnp.float32(run.top_p), stop_ids=jnp.asarray(stop_array, jnp.int32),
+                block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap))
   return spec, knobs
 
 

@@ -25,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.decode.config import DecodeSpec, Knobs
+from d2f_jax.decode.config import DecodeSpec, Knobs, per_row
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop
 from d2f_jax.models import PAD_ID, KVCache, align_logits
@@ -93,6 +93,22 @@ def _choose(logits, key, knobs: Knobs, spec: DecodeSpec):
           _pad_columns(confidence, spec.window, -jnp.inf))
 
 
+def fresh_state(prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, spec: DecodeSpec) -> D2FState:
+  """The loop state before the first forward: block 0 appended, an empty cache, every counter zero."""
+  config = spec.model
+  batch, width = prompt.shape
+  tail = jnp.full((batch, spec.max_new_tokens + spec.window), config.mask_token_id, jnp.int32)
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return D2FState(
+      tokens=jnp.concatenate([prompt.astype(jnp.int32), tail], axis=1), prompt_len=prompt_len.astype(jnp.int32),
+      cache=KVCache.init(config, batch, width + spec.max_new_tokens),
+      prev_logits=jnp.zeros((batch, config.vocab_size), jnp.float32), cached=zeros, pending=zeros,
+      added=jnp.ones((batch,), jnp.int32), eos=jnp.zeros((batch,), bool), done=jnp.zeros((batch,), bool),
+      forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32), key=key,
+      blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
+      semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros)
+
+
 def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs: Knobs,
          spec: DecodeSpec) -> D2FState:
   """Append block 0 and run the first step: one forward over prompt + window that also prefills the cache.
@@ -102,17 +118,7 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   """
   config = spec.model
   batch, width = prompt.shape
-  tail = jnp.full((batch, spec.max_new_tokens + spec.window), config.mask_token_id, jnp.int32)
-  zeros = jnp.zeros((batch,), jnp.int32)
-  state = D2FState(
-      tokens=jnp.concatenate([prompt.astype(jnp.int32), tail], axis=1), prompt_len=prompt_len.astype(jnp.int32),
-      cache=KVCache.init(config, batch, width + spec.max_new_tokens),
-      prev_logits=jnp.zeros((batch, config.vocab_size), jnp.float32), cached=zeros, pending=zeros,
-      added=jnp.ones((batch,), jnp.int32), eos=jnp.zeros((batch,), bool), done=jnp.zeros((batch,), bool),
-      forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32), key=key,
-      blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
-      semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros)
-
+  state = fresh_state(prompt, prompt_len, key, spec)
   win_tokens, win_positions, win_ids, win_cols = _window_inputs(state, spec)
   w = spec.window_widths[0] * spec.block_size
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, P]
@@ -194,12 +200,12 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Ar
   # Block i is fully activated once block i-1 is decoded past tau_act; the first block's predecessor
   # is the prompt or a cached block (complete). Decoded counts only grow, so activation is sticky.
   before = jnp.concatenate([jnp.full((batch, 1), bs, jnp.int32), decoded[:, :-1]], axis=1)
-  fully = before >= knobs.act_count  # [B, nk]
+  fully = before >= per_row(knobs.act_count, 2)  # [B, nk]
 
   choice = choice.reshape(batch, nk, bs)
   confidence = confidence.reshape(batch, nk, bs)
   candidate = masked & in_flight[..., None]  # [B, nk, bs]
-  over = candidate & (confidence > knobs.tau_conf)
+  over = candidate & (confidence > per_row(knobs.tau_conf, 3))
   # A fully activated block that clears no position takes its single most confident one.
   best = argmax_first(jnp.where(candidate, confidence, -jnp.inf))  # [B, nk]
   forced = in_flight & fully & (masks > 0) & ~over.any(-1)
@@ -228,8 +234,9 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Ar
   last_slot = state.added - 1 - state.cached  # [B] in [0, nk)
   last_decoded = jnp.take_along_axis(bs - masks_after, jnp.clip(last_slot, 0, nk - 1)[:, None], axis=1)[:, 0]
   flying = state.added - cached - pending
-  grow = (live & (state.added < spec.num_blocks) & ~eos & (last_decoded >= knobs.add_count)
-          & (flying < spec.max_blocks_in_flight))
+  room = flying < jnp.minimum(spec.max_blocks_in_flight, knobs.in_flight_cap)
+  grow = (live & (state.added < jnp.minimum(spec.num_blocks, knobs.block_limit)) & ~eos
+          & (last_decoded >= knobs.add_count) & room)
   remaining = masks_after.sum(axis=1) + grow * bs
 
   def keep(new, old):

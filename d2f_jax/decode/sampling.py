@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.decode.config import Knobs
+from d2f_jax.decode.config import Knobs, per_row
 
 
 def top_p_keep(logp: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -39,19 +39,22 @@ def argmax_first(x: jax.Array) -> jax.Array:
 def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool):
   """Chosen ids and their confidence for logits [..., V] (fp32).
 
-  Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-p.
+  Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-p. With
+  `sample`, a row whose temperature is 0 still takes the argmax of the unscaled logits, bit for bit what a
+  greedy decode computes (knobs may be per row: logits' first axis is the batch).
   Returns (ids [...] int32, confidence [...] f32, scaled logits [..., V] for `ordering_score`).
   """
   scaled = logits.astype(jnp.float32)
   if sample:
-    scaled = scaled / knobs.temperature
+    temperature = per_row(knobs.temperature, logits.ndim)  # () or [B, 1, ...]
+    scaled = scaled / jnp.where(temperature <= 0.0, 1.0, temperature)
   top = jnp.max(scaled, axis=-1, keepdims=True)
   log_total = top + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True))  # logsumexp [..., 1]
+  ids = argmax_first(scaled)
   if sample:
-    allowed = jnp.where(top_p_keep(scaled - log_total, knobs.top_p), scaled, -jnp.inf)
-    ids = jax.random.categorical(key, allowed, axis=-1)
-  else:
-    ids = argmax_first(scaled)
+    allowed = jnp.where(top_p_keep(scaled - log_total, per_row(knobs.top_p, logits.ndim)), scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, allowed, axis=-1)
+    ids = jnp.where(per_row(knobs.temperature, logits.ndim - 1) <= 0.0, ids, drawn)
   ids = ids.astype(jnp.int32)
   chosen = jnp.take_along_axis(scaled, ids[..., None], axis=-1)
   return ids, jnp.exp(chosen - log_total)[..., 0], scaled
@@ -72,7 +75,10 @@ def ordering_score(alg: str, confidence: jax.Array, scaled: jax.Array) -> jax.Ar
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  """tokens [...] -> bool [...]: token is one of the stop ids (-1 slots never match)."""
+  """tokens [B, ...] -> bool [B, ...]: token is one of the stop ids [K] (or [B, K], per row); -1 slots never
+  match."""
+  if stop_ids.ndim == 2:  # [B, K] -> [B, 1, ..., K]
+    stop_ids = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + stop_ids.shape[1:])
   return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 

@@ -1,0 +1,247 @@
+"""The continuous-batching D2F engine: S fixed slots over one model, refilled from a queue as requests finish.
+
+JetStream's shape (prefill / insert / generate over fixed slots) on the D2F loop state: a round admits
+queued requests into free slots (`programs.insert`: the request's prefill and first step), advances every
+live slot up to `steps_per_call` D2F steps in one device call that returns as soon as a slot finishes, then
+reads the slots' responses (a few KB) and streams each request's newly settled ids to its callback.
+Shapes never change after warm-up: one advance program, one insert program per prompt bucket.
+
+Greedy decoding is batch-invariant: a request's tokens, forwards and acceptance steps are those of
+`decode.generate` on it alone, whatever shares the engine and whenever it arrived (tests/test_serve_engine.py).
+
+Thread model: `submit` / `cancel` may be called from any thread; device work runs on the engine's own thread
+(`start`), or on the caller's (`run_until_idle`, `complete`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from d2f_jax.decode import limits
+from d2f_jax.decode.config import DecodeConfig, resolve
+from d2f_jax.serve import programs
+from d2f_jax.serve.requests import Request, check_prompt, completion, request_knobs, settled_ids
+from d2f_jax.serve.types import (Completion, EngineStopped, Event, EventCallback, QueueFull, RequestSettings)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Fixed per engine: shapes and the bound on what a request may ask."""
+
+  slots: int = 32
+  block_size: int = 32
+  max_new_tokens: int = 256  # the bound; each request may ask for less (a multiple of block_size)
+  max_prompt_len: int = 512
+  prompt_bucket: int = 64  # prefill widths: multiples of this up to max_prompt_len
+  steps_per_call: int = 8  # D2F steps per device call (it returns early when a slot finishes)
+  queue_size: int = 4096  # waiting requests beyond the slots; more are refused (QueueFull)
+  sampling: bool = False  # compile the sampling path (requests may set temperature > 0)
+  max_blocks_in_flight: int | None = None  # the engine's cap; None as the paper
+  memory_budget_gib: float | None = None
+
+  def __post_init__(self):
+    for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
+                 "queue_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+    if self.max_new_tokens % self.block_size:
+      raise ValueError(f"EngineConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of block_size "
+                       f"({self.block_size})")
+
+  @property
+  def prompt_width(self) -> int:
+    return -(-self.max_prompt_len // self.prompt_bucket) * self.prompt_bucket
+
+
+class Engine:
+  """Slots, a queue and the loop that keeps the slots full. `model`: a d2f_jax.Model (optionally `shard`ed)."""
+
+  def __init__(self, model, config: EngineConfig = EngineConfig()):
+    limits.check_positions(model.config, config.prompt_width, config.max_new_tokens)
+    self.model, self.config = model, config
+    base = DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=config.max_new_tokens,
+                        max_blocks_in_flight=config.max_blocks_in_flight, temperature=1.0 if config.sampling else 0.0,
+                        memory_budget_gib=config.memory_budget_gib)
+    self.spec, knobs = resolve(base, model.config)
+    placement = getattr(model, "placement", None)
+    devices = list(placement.mesh.devices.flat) if placement is not None else jax.local_devices()[:1]
+    limits.check_memory(model.config, config.slots, config.prompt_width + config.max_new_tokens, model.state,
+                        devices, config.memory_budget_gib)
+    self.layout = None if placement is None else placement.layout
+    self.state, self.knobs = programs.empty_slots(self.spec, config.slots, config.prompt_width, knobs)
+    self.slots: list[Request | None] = [None] * config.slots
+    self.queue: collections.deque[Request] = collections.deque()
+    self.forwards = 0  # device steps taken (for the bench)
+    self._ids = itertools.count()
+    self._lock = threading.Condition()
+    self._cancelled: set[str] = set()
+    self._admitting = True
+    self._thread: threading.Thread | None = None
+    self._key = jax.random.key(0)
+
+  # --- requests -------------------------------------------------------------------------------------------
+
+  def submit(self, prompt_ids: Sequence[int], settings: RequestSettings = RequestSettings(),
+             callback: EventCallback | None = None, request_id: str | None = None) -> str:
+    """Queue a request (checked first: RequestError names the field); returns its id."""
+    prompt = check_prompt(prompt_ids, vocab_size=self.model.config.vocab_size,
+                          max_prompt_len=self.config.max_prompt_len)
+    n, knobs, stops = request_knobs(settings, model_config=self.model.config, block_size=self.config.block_size,
+                                    bound=self.config.max_new_tokens, sampling=self.config.sampling)
+    with self._lock:
+      if not self._admitting:
+        raise EngineStopped("the engine is shutting down and admits no new requests")
+      if len(self.queue) >= self.config.queue_size:
+        raise QueueFull(f"{len(self.queue)} requests are waiting (queue_size {self.config.queue_size})")
+      request = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, settings=settings,
+                        max_new_tokens=n, knobs=knobs, stops=stops, callback=callback)
+      self.queue.append(request)
+      self._lock.notify_all()
+    return request.id
+
+  def cancel(self, request_id: str) -> None:
+    """Stop a request (queued or decoding): its slot frees at the next round; its callback gets a last
+    event with finish_reason 'cancelled'."""
+    with self._lock:
+      self._cancelled.add(request_id)
+      self._lock.notify_all()
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.queue) or any(r is not None for r in self.slots)
+
+  # --- the loop -------------------------------------------------------------------------------------------
+
+  def round(self) -> bool:
+    """One round: cancellations, admissions, one advance call, events. Returns whether work remains."""
+    with self._lock:
+      cancelled, self._cancelled = self._cancelled, set()
+      kept = [r for r in self.queue if r.id not in cancelled]
+      dropped = [r for r in self.queue if r.id in cancelled]
+      self.queue = collections.deque(kept)
+    for request in dropped:
+      self._emit(request, [], reason="cancelled")
+    for slot, request in enumerate(self.slots):
+      if request is not None and request.id in cancelled:
+        self.state = programs.release(self.state, np.int32(slot))
+        self.slots[slot] = None
+        self._emit(request, [], reason="cancelled")
+    self._admit()
+    if any(r is not None for r in self.slots):
+      self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
+                                    steps=self.config.steps_per_call, layout=self.layout)
+      self._publish()
+    return self.busy
+
+  def _admit(self) -> None:
+    admitted = False
+    for slot in range(self.config.slots):
+      if self.slots[slot] is not None:
+        continue
+      with self._lock:
+        if not self.queue:
+          break
+        request = self.queue.popleft()
+      width = -(-request.prompt.size // self.config.prompt_bucket) * self.config.prompt_bucket
+      prompt = np.full((1, width), self.model.config.pad_token_id, np.int32)
+      prompt[0, width - request.prompt.size:] = request.prompt
+      self._key, key = jax.random.split(self._key)
+      self.state, self.knobs = programs.insert(
+          self.model.graphdef, self.model.state, self.state, self.knobs, np.int32(slot), prompt,
+          np.asarray([request.prompt.size], np.int32), request.knobs, key, spec=self.spec, layout=self.layout)
+      request.slot, self.slots[slot] = slot, request
+      admitted = True
+    if admitted:  # a request may be finished by its first step alone
+      self._publish()
+
+  def _publish(self) -> None:
+    """Read the slots once; stream settled ids; finish and free the slots that are done."""
+    read = jax.tree.map(np.asarray, jax.device_get(programs.readout(self.state, spec=self.spec)))
+    mask_id = self.model.config.mask_token_id
+    for slot, request in enumerate(self.slots):
+      if request is None:
+        continue
+      if read["done"][slot]:
+        final = completion(read, slot, request.max_new_tokens, request.stops)
+        self.slots[slot] = None
+        self._emit(request, final.tokens[request.emitted:], reason=final.finish_reason, final=final,
+                   forwards=final.forwards)
+      else:
+        ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stops)
+        if len(ids) > request.emitted:
+          self._emit(request, ids[request.emitted:], forwards=int(read["forwards"][slot]))
+
+  def _emit(self, request: Request, ids: list[int], *, reason: str | None = None, final: Completion | None = None,
+            forwards: int = 0) -> None:
+    request.emitted += len(ids)
+    if reason == "cancelled":
+      final = Completion(tokens=[], forwards=forwards, trace=[], finish_reason="cancelled", stats={})
+    if request.callback is not None:
+      request.callback(Event(request.id, list(ids), reason is not None, reason, int(request.prompt.size),
+                             request.emitted, forwards, final))
+
+  def run_until_idle(self) -> None:
+    """Rounds on the calling thread until no request is queued or decoding."""
+    while self.round():
+      pass
+
+  def complete(self, prompts: Sequence[Sequence[int]], settings: RequestSettings | Sequence[RequestSettings]
+               = RequestSettings(), *, progress=None) -> list[Completion]:
+    """Every prompt through the engine (on this thread), results in prompt order. `progress`: a callable
+    taking the number of requests just finished (e.g. a tqdm bar's update)."""
+    many = settings if isinstance(settings, (list, tuple)) else [settings] * len(prompts)
+    done: dict[int, Completion] = {}
+
+    def on_event(index):
+      def callback(event: Event):
+        if event.finished:
+          done[index] = event.completion
+          if progress is not None:
+            progress(1)
+      return callback
+    for i, (prompt, s) in enumerate(zip(prompts, many)):
+      self.submit(prompt, s, on_event(i))
+    self.run_until_idle()
+    return [done[i] for i in range(len(prompts))]
+
+  # --- a background thread (the server's) ---------------------------------------------------------------------
+
+  def start(self) -> None:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._serve, name="d2f-engine", daemon=True)
+      self._thread.start()
+
+  def _serve(self) -> None:
+    while True:
+      with self._lock:
+        while not self.busy and not self._cancelled and self._admitting:
+          self._lock.wait()
+        if not self.busy and not self._admitting:
+          return
+      self.round()
+
+  def shutdown(self, grace_s: float = 30.0) -> None:
+    """Admit nothing new; let queued and decoding requests finish for up to `grace_s`, then cancel the rest."""
+    with self._lock:
+      self._admitting = False
+      self._lock.notify_all()
+    deadline = time.monotonic() + grace_s
+    while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+      self._thread.join(timeout=0.05)
+    with self._lock:
+      self._cancelled.update(r.id for r in self.queue)
+      self._cancelled.update(r.id for r in self.slots if r is not None)
+      self._lock.notify_all()
+    if self._thread is not None:
+      self._thread.join()
+    elif self.busy:
+      self.round()  # no thread: deliver the cancellations here

@@ -1,0 +1,123 @@
+"""The engine's device programs over a fixed batch of S slots: each one jitted with static shapes, so serving
+never recompiles after warm-up (one insert program per prompt bucket, one advance program).
+
+The slot batch is a D2F loop state (decode/pipeline.py) whose rows start at different times. A row's
+decode touches only its own row, so a request decodes exactly as it would alone:
+- `insert` runs the request's first step (`pipeline.init`: the prefill forward over its bucketed prompt plus
+  block 0) on a batch of one, then writes that row into the slot: the token buffer left-padded to the
+  engine's prompt width P (positions follow the real prompt length, padding is invisible), the KV cache
+  as written (slots [0, bucket) hold the prompt and later writes append at its length), its knobs beside.
+- `advance` runs up to `steps` D2F steps over all slots inside one while_loop that exits as soon as a live
+  slot finishes, so the host can refill it. A free slot is a done row: frozen, it changes nothing.
+- a row stops after max_new_tokens + 2 forwards, the bound `generate`'s loop puts on a batch run alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from d2f_jax.decode import pipeline
+from d2f_jax.decode.config import DecodeSpec, Knobs
+from d2f_jax.decode.mesh import constrain_loop_state
+from d2f_jax.decode.pipeline import D2FState
+from d2f_jax.models import PAD_ID, KVCache
+from d2f_jax.sharding import MeshLayout, mesh_layout
+
+
+def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs) -> tuple[D2FState, Knobs]:
+  """A slot batch with every slot free (done), and per-slot knobs ([S] leaves, stop ids [S, K])."""
+  prompt = jnp.full((slots, prompt_width), spec.model.pad_token_id, jnp.int32)
+  state = pipeline.fresh_state(prompt, jnp.ones((slots,), jnp.int32), jax.random.key(0), spec)
+  state = state.replace(done=jnp.ones((slots,), bool))
+  rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape), knobs)
+  # Own buffers per leaf (fresh_state shares one zeros array between counters): the programs donate them.
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), (state, rows))
+
+
+def _put_row(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
+  return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis=axis)
+
+
+def _into_width(row: D2FState, prompt_width: int, spec: DecodeSpec) -> D2FState:
+  """A 1-row state decoded at its prompt bucket, laid out at the engine's prompt width: the token buffer
+  left-padded (response block j stays at column prompt_width + j * block_size), the cache padded with
+  empty slots."""
+  extra = prompt_width - (row.tokens.shape[1] - spec.max_new_tokens - spec.window)
+  tokens = jnp.pad(row.tokens, ((0, 0), (extra, 0)), constant_values=spec.model.pad_token_id)
+  pad5 = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))  # k, v [L, 1, S, K, D]
+  cache = KVCache(k=jnp.pad(row.cache.k, pad5), v=jnp.pad(row.cache.v, pad5),
+                  ids=jnp.pad(row.cache.ids, ((0, 0), (0, extra)), constant_values=PAD_ID), length=row.cache.length)
+  return row.replace(tokens=tokens, cache=cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"), donate_argnums=(2, 3))
+def insert(graphdef, params, state: D2FState, knobs: Knobs, slot: jax.Array, prompt: jax.Array,
+           prompt_len: jax.Array, row_knobs: Knobs, key: jax.Array, *, spec: DecodeSpec,
+           layout: MeshLayout | None = None) -> tuple[D2FState, Knobs]:
+  """Prefill one request into `slot`: prompt [1, bucket] left-padded, prompt_len [1], row_knobs scalars,
+  key the request's own (its first step's sampling)."""
+  slots, width = state.tokens.shape[0], state.tokens.shape[1] - spec.max_new_tokens - spec.window
+  with mesh_layout(layout):
+    row = pipeline.init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
+  row = _into_width(row, width, spec)
+  cache = KVCache(k=_put_row(state.cache.k, row.cache.k, slot, 1), v=_put_row(state.cache.v, row.cache.v, slot, 1),
+                  ids=_put_row(state.cache.ids, row.cache.ids, slot), length=_put_row(state.cache.length,
+                                                                                       row.cache.length, slot))
+  batch_leaves = {f: _put_row(getattr(state, f), getattr(row, f), slot) for f in _ROW_FIELDS}
+  state = state.replace(cache=cache, **batch_leaves)
+  knobs = jax.tree.map(lambda big, one: _put_row(big, one[None], slot), knobs, row_knobs)
+  return constrain_loop_state(state, layout, slots), knobs
+
+
+# D2FState fields with a leading slot axis (the cache is placed separately; `key` and `t` are shared).
+_ROW_FIELDS = ("tokens", "prompt_len", "prev_logits", "cached", "pending", "added", "eos", "done", "forwards",
+               "trace", "blocks", "max_in_flight", "semi_steps", "max_accepted", "in_flight_sum", "window_sum")
+
+
+def _bounded(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
+  """Freeze rows at the forward bound `generate` puts on a batch run alone: max_new_tokens + 2."""
+  limit = knobs.block_limit * spec.block_size + 2
+  return state.replace(done=state.done | (state.forwards >= limit))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout", "steps"), donate_argnums=(2,))
+def advance(graphdef, params, state: D2FState, knobs: Knobs, *, spec: DecodeSpec, steps: int,
+            layout: MeshLayout | None = None) -> D2FState:
+  """Up to `steps` D2F steps over every slot; returns early once a slot that was live has finished."""
+  slots = state.tokens.shape[0]
+  was_done = state.done
+
+  def running(carry):
+    i, s = carry
+    return (i < steps) & jnp.any(~s.done) & ~jnp.any(s.done & ~was_done)
+
+  def body(carry):
+    i, s = carry
+    s = _bounded(pipeline.step(model, s, knobs, spec), knobs, spec)
+    return i + 1, constrain_loop_state(s, layout, slots)
+
+  with mesh_layout(layout):
+    model = nnx.merge(graphdef, params)
+    _, state = jax.lax.while_loop(running, body, (jnp.int32(0), _bounded(state, knobs, spec)))
+  return state
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def release(state: D2FState, slot: jax.Array) -> D2FState:
+  """Free a slot now (a cancelled request): its row is frozen and its compute wasted until refilled."""
+  return state.replace(done=state.done.at[slot].set(True))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def readout(state: D2FState, *, spec: DecodeSpec):
+  """What the host needs each round: responses [S, N], trace [S, N], done, forwards and the d2f
+  diagnostics [S] (a few KB, not the cache)."""
+  width = state.tokens.shape[1] - spec.max_new_tokens - spec.window
+  n = spec.max_new_tokens
+  return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
+              forwards=state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
+              max_accepted=state.max_accepted, in_flight_sum=state.in_flight_sum, window_sum=state.window_sum)

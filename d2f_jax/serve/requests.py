@@ -1,0 +1,107 @@
+"""A request's settings checked against the engine and turned into its per-slot knobs; its streamed and
+final tokens read from the slot's response row.
+
+Checks name the offending field (RequestError), so the server's 400 body can too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+
+from d2f_jax.decode.config import MAX_STOP_TOKENS, DecodeConfig, Knobs, resolve
+from d2f_jax.serve.types import ENGINE_METHODS, Completion, EventCallback, RequestError, RequestSettings
+
+_FIELD = re.compile(r"DecodeConfig\.(\w+)")
+
+
+@dataclasses.dataclass
+class Request:
+  """One request's host-side record, from submit to its last event."""
+
+  id: str
+  prompt: np.ndarray  # [T] int32
+  settings: RequestSettings
+  max_new_tokens: int
+  knobs: Knobs  # scalars: what goes into the slot's row of the engine's knobs
+  stops: frozenset
+  callback: EventCallback | None
+  slot: int | None = None
+  emitted: int = 0  # ids streamed so far
+  cancelled: bool = False
+
+
+def check_prompt(prompt_ids, *, vocab_size: int, max_prompt_len: int) -> np.ndarray:
+  """The prompt as int32 ids: 1..max_prompt_len integers inside the vocabulary."""
+  try:
+    ids = np.asarray(prompt_ids)
+  except (TypeError, ValueError) as e:
+    raise RequestError("prompt", f"must be a list of token ids ({e})") from None
+  if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) and ids.dtype != np.bool_):
+    raise RequestError("prompt", f"must be a flat list of integer token ids, got {str(prompt_ids)[:80]}")
+  if ids.size == 0:
+    raise RequestError("prompt", "is empty")
+  if ids.size > max_prompt_len:
+    raise RequestError("prompt", f"has {ids.size} tokens, more than this engine's max_prompt_len {max_prompt_len}")
+  bad = ids[(ids < 0) | (ids >= vocab_size)]
+  if bad.size:
+    raise RequestError("prompt", f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+  return ids.astype(np.int32)
+
+
+def request_knobs(settings: RequestSettings, *, model_config, block_size: int, bound: int, sampling: bool
+                  ) -> tuple[int, Knobs, frozenset]:
+  """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone."""
+  if not isinstance(settings, RequestSettings):
+    raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
+  if settings.method not in ENGINE_METHODS:
+    raise RequestError("method", f"must be one of {ENGINE_METHODS}, got {settings.method!r}")
+  n = bound if settings.max_new_tokens is None else settings.max_new_tokens
+  if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= bound or n % block_size:
+    raise RequestError("max_new_tokens", f"must be a positive multiple of the engine's block size {block_size} "
+                                         f"up to its bound {bound}, got {n!r}")
+  if settings.temperature and not sampling:
+    raise RequestError("temperature", f"this engine decodes greedily (temperature 0); got {settings.temperature!r}: "
+                                      "start it with sampling enabled to sample")
+  stops = settings.stop_tokens
+  if stops is not None and (len(stops) > MAX_STOP_TOKENS or any(
+      not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model_config.vocab_size for t in stops)):
+    raise RequestError("stop_token_ids", f"must be at most {MAX_STOP_TOKENS} token ids inside the vocabulary "
+                                         f"[0, {model_config.vocab_size}), got {list(stops)!r}")
+  try:
+    config = DecodeConfig(method=settings.method, block_size=block_size, max_new_tokens=n,
+                          tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
+                          temperature=settings.temperature, top_p=settings.top_p,
+                          stop_tokens=None if stops is None else tuple(stops))
+    _, knobs = resolve(config, model_config)
+  except (TypeError, ValueError) as e:
+    found = _FIELD.search(str(e))
+    raise RequestError(found.group(1) if found else "settings", str(e)) from None
+  return n, knobs, frozenset(int(t) for t in np.asarray(knobs.stop_ids).tolist() if t >= 0)
+
+
+def settled_ids(response: np.ndarray, n: int, mask_id: int, stops: frozenset) -> list[int]:
+  """The ids of a slot's response row that will not change: the prefix before the first mask, cut after
+  the first stop id."""
+  row = response[:n]
+  masked = row == mask_id
+  ids = row[:int(np.argmax(masked)) if masked.any() else n].tolist()
+  for i, tok in enumerate(ids):
+    if tok in stops:
+      return ids[:i + 1]
+  return ids
+
+
+def completion(read: dict[str, Any], slot: int, n: int, stops: frozenset, reason: str | None = None) -> Completion:
+  """The finished request in `generate`'s terms: its response cut after the first stop id (masks left by the
+  forward bound stay, as `generate` leaves them), its forwards and acceptance trace."""
+  row = read["response"][slot, :n].tolist()
+  cut = next((i + 1 for i, tok in enumerate(row) if tok in stops), None)
+  tokens = row if cut is None else row[:cut]
+  stats = {k: int(read[k][slot]) for k in ("max_in_flight", "semi_steps", "max_accepted", "in_flight_sum",
+                                           "window_sum")}
+  return Completion(tokens=tokens, forwards=int(read["forwards"][slot]), trace=read["trace"][slot, :n].tolist(),
+                    finish_reason=reason or ("stop" if cut is not None else "length"), stats=stats)

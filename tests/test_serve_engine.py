@@ -1,0 +1,111 @@
+"""The serving engine is batch-invariant: every request's tokens, forwards and acceptance steps (greedy, fp32)
+equal `decode.generate` on that request alone, whatever shares the engine and whenever it arrived.
+
+Sharpened random tiny models (test_decode.sharp_model) of both layouts; ragged prompts and answer lengths,
+arrivals while other slots decode, a cancellation, d2f and threshold requests side by side.
+"""
+
+import numpy as np
+import pytest
+
+from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.serve import Engine, EngineConfig, RequestError, RequestSettings
+from test_decode import sharp_model
+
+# Prompts of 3..19 tokens: buckets 8, 16 and 24 of an engine whose prompt width is 24.
+PROMPTS = [[11, 23, 5], [3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2],
+           [7, 7, 8, 9, 10, 44, 45, 46, 47, 48, 49, 50, 51, 60, 61, 62, 63, 64, 65], [99, 98]]
+ENGINE = EngineConfig(slots=3, block_size=4, max_new_tokens=16, max_prompt_len=20, prompt_bucket=8, steps_per_call=3)
+# (method, max_new_tokens, tau_add, tau_act, tau_conf) per request: the paper's thresholds, looser ones that keep
+# several blocks in flight, shorter answers, and the threshold decoder.
+SETTINGS = [RequestSettings(), RequestSettings(tau_add=0.25, tau_act=0.5, tau_conf=0.5),
+            RequestSettings(max_new_tokens=8, tau_add=0.0, tau_act=0.75, tau_conf=0.3),
+            RequestSettings(method="threshold", tau_conf=0.5), RequestSettings(max_new_tokens=12, tau_conf=0.6)]
+
+
+_ALONE = {}
+
+
+def _alone(model, prompt, settings: RequestSettings):
+  key = (model.config.family, tuple(prompt), settings)
+  if key not in _ALONE:
+    _ALONE[key] = _decode_alone(model, prompt, settings)
+  return _ALONE[key]
+
+
+def _decode_alone(model, prompt, settings: RequestSettings):
+  config = DecodeConfig(method=settings.method, block_size=ENGINE.block_size,
+                        max_new_tokens=settings.max_new_tokens or ENGINE.max_new_tokens, tau_add=settings.tau_add,
+                        tau_act=settings.tau_act, tau_conf=settings.tau_conf, prompt_buckets=8)
+  result = generate(model, [prompt], config)
+  n = int(result.lengths[0])
+  return dict(tokens=np.asarray(result.tokens[0, :n]).tolist(), forwards=int(result.forwards[0]),
+              trace=np.asarray(result.trace[0]).tolist(), max_in_flight=int(result.max_in_flight[0]),
+              window_sum=int(result.window_sum[0]))
+
+
+def _check(completion, want, where):
+  assert completion.tokens == want["tokens"], where
+  assert completion.forwards == want["forwards"], where
+  assert completion.trace == want["trace"], where
+  assert completion.stats["max_in_flight"] == want["max_in_flight"], where
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_requests_decode_as_alone_whatever_shares_the_engine(family):
+  model = sharp_model(family)
+  engine = Engine(model, ENGINE)
+  events: dict[str, list] = {}
+
+  def record(event):
+    events.setdefault(event.request_id, []).append(event)
+
+  # Two requests first; the others arrive while those decode (more requests than slots, so some wait).
+  ids = [engine.submit(PROMPTS[i], SETTINGS[i], record) for i in range(2)]
+  engine.round()
+  ids += [engine.submit(PROMPTS[i], SETTINGS[i], record) for i in range(2, 5)]
+  cancelled = engine.submit(PROMPTS[0], SETTINGS[1], record)
+  engine.round()
+  engine.cancel(cancelled)
+  engine.run_until_idle()
+  assert not engine.busy
+  for i, request_id in enumerate(ids):
+    stream = events[request_id]
+    final = stream[-1]
+    assert final.finished and [e.finished for e in stream].count(True) == 1
+    _check(final.completion, _alone(model, PROMPTS[i], SETTINGS[i]), f"{family} request {i}")
+    # Streamed ids, concatenated, are the final tokens; the usage counts match.
+    assert sum((e.ids for e in stream), []) == final.completion.tokens
+    assert final.completion_tokens == len(final.completion.tokens) and final.prompt_tokens == len(PROMPTS[i])
+    assert final.finish_reason == ("stop" if final.completion.tokens[-1] in (model.config.eos_token_id,
+                                                                              model.config.eot_token_id) else "length")
+  assert events[cancelled][-1].finish_reason == "cancelled"
+
+
+def test_a_full_engine_equals_alone_and_refills_every_slot():
+  """Eight requests through two slots with `complete`: every slot is refilled several times."""
+  model = sharp_model("dream")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 2}))
+  prompts = PROMPTS + PROMPTS[:3]
+  settings = SETTINGS + SETTINGS[1:4]
+  finished = []
+  results = engine.complete(prompts, settings, progress=finished.append)
+  assert len(finished) == len(prompts)
+  for i, (prompt, s, got) in enumerate(zip(prompts, settings, results)):
+    _check(got, _alone(model, prompt, s), f"request {i}")
+
+
+def test_bad_requests_are_refused_naming_the_field():
+  engine = Engine(sharp_model("llada"), ENGINE)
+  cases = [(([1] * 21, RequestSettings()), "prompt"), (([], RequestSettings()), "prompt"),
+           (([10 ** 6], RequestSettings()), "prompt"), (([1.5], RequestSettings()), "prompt"),
+           (([1], RequestSettings(max_new_tokens=6)), "max_new_tokens"),
+           (([1], RequestSettings(max_new_tokens=32)), "max_new_tokens"),
+           (([1], RequestSettings(tau_conf=1.5)), "tau_conf"), (([1], RequestSettings(method="vanilla")), "method"),
+           (([1], RequestSettings(temperature=0.7)), "temperature"), (([1], RequestSettings(top_p=0.0)), "top_p"),
+           (([1], RequestSettings(stop_tokens=(10 ** 6,))), "stop_token_ids")]
+  for (prompt, settings), field in cases:
+    with pytest.raises(RequestError) as error:
+      engine.submit(prompt, settings)
+    assert error.value.field == field, (prompt, settings, str(error.value))
+  assert not engine.busy
