@@ -234,7 +234,30 @@ def test_runner_humaneval_batched(checkpoint, tmp_path):
   samples = _read_samples(tmp_path / "samples.jsonl")
   assert [s["id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]
   assert all(s["status"] in ("failed", "timeout") and s["batch"] == 0 for s in samples)
-  assert samples[0]["latency_s"] == samples[1]["latency_s"]  # both rows waited for the same call
+  assert results["speed"]["engine"] is True  # batch > 1 with d2f: through the continuous-batching engine
+
+
+def test_batched_evaluation_through_the_engine_equals_batch_one(checkpoint, tmp_path):
+  """batch_size 3 feeds the problems through a 3-slot engine: every generation, token count and forward
+  count equals the batch-1 run's (a 4x head keeps the random model's greedy choices clear of near-ties)."""
+  import d2f_jax
+  from d2f_jax.api import Model
+  from d2f_jax.decode import DecodeConfig
+  from d2f_jax.evals import run_benchmark
+  from d2f_jax.tasks.arithmetic import ArithmeticTask
+
+  loaded = d2f_jax.load_model(checkpoint)
+  module = loaded.module
+  module.lm_head[...] = module.lm_head[...] * 4.0
+  model = Model.from_module(module, loaded.tokenizer)
+  task = ArithmeticTask(seed=0, train=8, test=5)
+  config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=16, tau_conf=0.5, tau_add=0.25, tau_act=0.5)
+  one = run_benchmark(model, task, config, batch_size=1, log=None, warmup="none", out_dir=str(tmp_path / "1"))
+  three = run_benchmark(model, task, config, batch_size=3, log=None, warmup="first", out_dir=str(tmp_path / "3"))
+  assert one["speed"]["engine"] is False and three["speed"]["engine"] is True
+  assert one["score"] == three["score"] and one["speed"]["tokens"] == three["speed"]["tokens"] > 0
+  for a, b in zip(_read_samples(tmp_path / "1" / "samples.jsonl"), _read_samples(tmp_path / "3" / "samples.jsonl")):
+    assert (a["generation"], a["tokens"], a["forwards"]) == (b["generation"], b["tokens"], b["forwards"]), a["id"]
 
 
 def test_bad_task_and_options_are_rejected(checkpoint):

@@ -21,10 +21,12 @@ from typing import Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from d2f_jax.decode import DecodeConfig, generate, trace_count
 from d2f_jax.decode.config import check_method_fits, model_attention
 from d2f_jax.reporting import write_json, write_jsonl
+from d2f_jax.evals.engine_pass import engine_fits, run_engine
 from d2f_jax.evals.gsm8k import Gsm8kTask
 from d2f_jax.evals.humaneval import HumanEvalTask
 from d2f_jax.evals.processes import Processes, assign_batches, jax_processes, merge_shares
@@ -112,13 +114,18 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
     raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
   check_method_fits(model.config, config, model_attention(model))  # a mismatched method decodes garbage
   procs = jax_processes() if processes is None else processes
-  log = log or (lambda message: None)
+  quiet, log = log is None, log or (lambda message: None)
   if procs.count > 1:
     log = (lambda inner: lambda message: inner(f"[process {procs.index}/{procs.count}] {message}"))(log)
   items = task.load(limit)
   prompts = encode_prompts(model, items, chat=chat, add_bos=add_bos)
   batches = [list(range(i, min(i + batch_size, len(items)))) for i in range(0, len(items), batch_size)]
   mine = assign_batches(len(batches), procs.index, procs.count)
+  if engine_fits(config, batch_size):
+    return _finish_run(model, task, config, items, prompts, batches, mine, procs, log, out_dir,
+                       *_through_engine(model, task, config, prompts, batches, mine, warmup, log, quiet),
+                       batch_size=batch_size, limit=limit, chat=chat, add_bos=add_bos, seed=seed, warmup=warmup,
+                       engine=True)
   key = jax.random.key(seed)
   call = lambda b: generate(model, [prompts[i] for i in batches[b]], config,  # noqa: E731
                             key=jax.random.fold_in(key, b))
@@ -135,6 +142,7 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
   forwards, latency, batch_of = {}, {}, {}
   batch_seconds, compiled_batches = [], 0
   report_every = max(1, len(mine) // 10)
+  bar = _progress(task, sum(len(batches[b]) for b in mine), quiet)
   for n, b in enumerate(mine):
     rows = batches[b]
     traces = trace_count("loop")
@@ -145,11 +153,45 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
     batch_seconds.append([b, seconds])
     for row, tokens, f in zip(rows, result.to_lists(), np.asarray(result.forwards)):
       ids[row], forwards[row], latency[row], batch_of[row] = tokens, int(f), seconds, b
+    bar.update(len(rows))
     if (n + 1) % report_every == 0 or n + 1 == len(mine):
       tokens_so_far = sum(len(t) for t in ids.values())
       log(f"[{task.name}] {len(ids)}/{len(items)} samples, "
           f"{tokens_so_far / sum(s for _, s in batch_seconds):.1f} tokens/s")
+  bar.close()
+  timing = dict(warmup_batches=len(warm), warmup_seconds=warmup_seconds, compiled_batches=compiled_batches)
+  return _finish_run(model, task, config, items, prompts, batches, mine, procs, log, out_dir, ids, forwards, latency,
+                     batch_of, batch_seconds, timing, batch_size=batch_size, limit=limit, chat=chat, add_bos=add_bos,
+                     seed=seed, warmup=warmup, engine=False)
 
+
+def _progress(task, total: int, quiet: bool):
+  """A progress bar on stderr over this process's problems (off when the caller silenced logging)."""
+  return tqdm(total=total, desc=task.name, unit="problem", file=sys.stderr, disable=quiet, leave=False)
+
+
+def _through_engine(model, task, config, prompts, batches, mine, warmup, log, quiet):
+  """This process's problems through the continuous-batching engine (batch_size slots); its wall time is
+  spread over the batches by their rows so the merged seconds add up to it."""
+  rows = [i for b in mine for i in batches[b]]
+  if not rows:  # a process with no share
+    return {}, {}, {}, {}, [], dict(warmup_batches=0, warmup_seconds=0.0, compiled_batches=0)
+  bar = _progress(task, len(rows), quiet)
+  run = run_engine(model, [prompts[i] for i in rows], config, len(batches[0]), warmup=warmup, progress=bar.update)
+  bar.close()
+  if run["warmup_requests"]:
+    log(f"[{task.name}] warm-up: {run['warmup_requests']} untimed request(s) in {run['warmup_seconds']:.1f}s "
+        "(compilation)")
+  ids, forwards, latency = (dict(zip(rows, run[k])) for k in ("tokens", "forwards", "latency"))
+  batch_of = {i: b for b in mine for i in batches[b]}
+  batch_seconds = [[b, run["seconds"] * len(batches[b]) / len(rows)] for b in mine]
+  timing = dict(warmup_batches=run["warmup_requests"], warmup_seconds=run["warmup_seconds"], compiled_batches=0)
+  return ids, forwards, latency, batch_of, batch_seconds, timing
+
+
+def _finish_run(model, task, config, items, prompts, batches, mine, procs, log, out_dir, ids, forwards, latency,
+                batch_of, batch_seconds, timing, *, batch_size, limit, chat, add_bos, seed, warmup, engine) -> dict:
+  """Score this process's generations, merge every process's share, write and return the results."""
   rows_mine = sorted(ids)
   generations = [decode_continuation(model, prompts[i], ids[i]) for i in rows_mine]
   records = task.score([items[i] for i in rows_mine], generations)
@@ -159,8 +201,7 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
     share.append([i, {"id": items[i]["id"], "prompt_tokens": len(prompts[i]), "generation": text, **record,
                       "tokens": len(ids[i]), "kept_tokens": kept_tokens, "forwards": forwards[i],
                       "batch": batch_of[i], "latency_s": round(float(latency[i]), 6)}])
-  merged = merge_shares(procs.gather({"samples": share, "batch_seconds": batch_seconds, "warmup_batches": len(warm),
-                                      "warmup_seconds": warmup_seconds, "compiled_batches": compiled_batches}),
+  merged = merge_shares(procs.gather({"samples": share, "batch_seconds": batch_seconds, **timing}),
                         len(items), len(batches))
   samples = merged["samples"]
 
@@ -170,6 +211,7 @@ def run_benchmark(model, task, config: DecodeConfig, *, batch_size: int = 1, lim
                                   seconds=round(merged["warmup_seconds"], 3),
                                   compiled_batches_in_timing=merged["compiled_batches"]))
   results["speed"]["processes"] = procs.count
+  results["speed"]["engine"] = engine  # batch > 1 through the continuous-batching engine (slots = batch_size)
   if out_dir is not None and procs.is_main:
     os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "results.json"), results)

@@ -80,7 +80,7 @@ class Engine:
     self.state, self.knobs = programs.empty_slots(self.spec, config.slots, config.prompt_width, knobs)
     self.slots: list[Request | None] = [None] * config.slots
     self.queue: collections.deque[Request] = collections.deque()
-    self.forwards = 0  # device steps taken (for the bench)
+    self.advance_calls = 0  # device calls of `advance` (for the bench)
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
@@ -139,6 +139,7 @@ class Engine:
     if any(r is not None for r in self.slots):
       self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
                                     steps=self.config.steps_per_call, layout=self.layout)
+      self.advance_calls += 1
       self._publish()
     return self.busy
 
