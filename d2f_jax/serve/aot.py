@@ -1,0 +1,82 @@
+"""The engine's device programs over abstract, sharded inputs, for ahead-of-time compilation (`python -m
+d2f_jax.aot --program serve`): nothing is allocated, so an 8B engine with 32 slots compiles for a target on a
+laptop and reports its memory per device.
+
+Slots split over the batch axes and heads over the head axis, as `generate` places its rows; the slot state
+(token buffers, KV cache [L, S, P + N, K, D], counters) and the per-slot knobs carry those shardings.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from d2f_jax.decode.config import DecodeConfig, resolve
+from d2f_jax.decode.mesh import as_decode_mesh
+from d2f_jax.models import KVCache, ModelConfig, Transformer
+from d2f_jax.serve import programs
+from d2f_jax.serve.engine import EngineConfig
+
+
+def _abstract_params(model_config: ModelConfig, placement):
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+  shardings = placement.param_shardings(state)
+  pure = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nnx.to_pure_dict(state),
+                      shardings)
+  params = jax.tree.map(lambda x: x, state)
+  nnx.replace_by_pure_dict(params, pure)
+  return graphdef, params
+
+
+def _slot_shardings(tree, placement, slots: int):
+  """Every [S, ...] leaf split by rows, the KV cache by rows and kv heads, scalars replicated."""
+  layout = placement.layout
+  rows = layout.batch_split(slots) or None
+
+  def one(x):
+    if isinstance(x, KVCache):
+      heads = layout.head_axis if x.k.shape[3] % layout.head_size() == 0 else None
+      kv = NamedSharding(placement.mesh, P(None, rows, None, heads, None))
+      row2 = NamedSharding(placement.mesh, P(rows, None))
+      return KVCache(k=_sds(x.k, kv), v=_sds(x.v, kv), ids=_sds(x.ids, row2),
+                     length=_sds(x.length, NamedSharding(placement.mesh, P(rows))))
+    spec = P(rows, *([None] * (x.ndim - 1))) if x.ndim and x.shape[0] == slots else P()
+    return _sds(x, NamedSharding(placement.mesh, spec))
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def _sds(x, sharding):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules=None) -> dict:
+  """{'serve_advance': (fn, args), 'serve_insert': (fn, args)}: the engine's advance program and its insert
+  program at the largest prompt bucket, each `fn.lower(*args).compile()`-able on `mesh`'s devices."""
+  placement = as_decode_mesh(mesh, rules)
+  if placement is None:
+    raise ValueError("engine_programs needs a mesh")
+  spec, knobs = resolve(DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=config.max_new_tokens,
+                                     max_blocks_in_flight=config.max_blocks_in_flight,
+                                     temperature=1.0 if config.sampling else 0.0), model_config)
+  graphdef, params = _abstract_params(model_config, placement)
+  state, slot_knobs = jax.eval_shape(lambda: programs.empty_slots(spec, config.slots, config.prompt_width, knobs))
+  state, slot_knobs = _slot_shardings((state, slot_knobs), placement, config.slots)
+  rep = NamedSharding(placement.mesh, P())
+  row_knobs = jax.tree.map(lambda x: _sds(x, rep), knobs)
+  layout = placement.layout
+
+  def advance(params, state, knobs):
+    return programs.advance(graphdef, params, state, knobs, spec=spec, steps=config.steps_per_call, layout=layout)
+
+  def insert(params, state, knobs, slot, prompt, prompt_len, row_knobs, key):
+    return programs.insert(graphdef, params, state, knobs, slot, prompt, prompt_len, row_knobs, key, spec=spec,
+                           layout=layout)
+  width = config.prompt_width
+  insert_args = (params, state, slot_knobs, _sds(jax.ShapeDtypeStruct((), jnp.int32), rep),
+                 _sds(jax.ShapeDtypeStruct((1, width), jnp.int32), rep),
+                 _sds(jax.ShapeDtypeStruct((1,), jnp.int32), rep), row_knobs,
+                 _sds(jax.eval_shape(lambda: jax.random.key(0)), rep))
+  return {"serve_advance": (jax.jit(advance, donate_argnums=(1,)), (params, state, slot_knobs)),
+          "serve_insert": (jax.jit(insert, donate_argnums=(1, 2)), insert_args)}
