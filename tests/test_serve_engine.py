@@ -34,7 +34,7 @@ def _alone(model, prompt, settings: RequestSettings):
 
 
 def _decode_alone(model, prompt, settings: RequestSettings):
-  config = DecodeConfig(method=settings.method, block_size=ENGINE.block_size,
+  config = DecodeConfig(method=settings.method or "d2f", block_size=ENGINE.block_size,
                         max_new_tokens=settings.max_new_tokens or ENGINE.max_new_tokens, tau_add=settings.tau_add,
                         tau_act=settings.tau_act, tau_conf=settings.tau_conf, prompt_buckets=8)
   result = generate(model, [prompt], config)
@@ -109,3 +109,22 @@ def test_bad_requests_are_refused_naming_the_field():
       engine.submit(prompt, settings)
     assert error.value.field == field, (prompt, settings, str(error.value))
   assert not engine.busy
+
+
+def test_an_ar_engine_decodes_every_request_as_alone():
+  """The causal baseline through an AR engine (one token per slot per step, each slot at its own position):
+  tokens, forwards and trace of `generate(method='ar')` on each request alone."""
+  model = sharp_model("dream")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 2, "method": "ar"}))
+  settings = [RequestSettings(), RequestSettings(max_new_tokens=8), RequestSettings(max_new_tokens=12),
+              RequestSettings()]
+  results = engine.complete(PROMPTS[:4], settings)
+  for i, (prompt, s, got) in enumerate(zip(PROMPTS, settings, results)):
+    result = generate(model, [prompt], DecodeConfig(method="ar", block_size=4, max_new_tokens=s.max_new_tokens or 16,
+                                                    prompt_buckets=8))
+    n = int(result.lengths[0])
+    assert got.tokens == np.asarray(result.tokens[0, :n]).tolist(), i
+    assert (got.forwards, got.trace) == (int(result.forwards[0]), np.asarray(result.trace[0]).tolist()), i
+  with pytest.raises(RequestError) as error:
+    engine.submit([1, 2], RequestSettings(method="d2f"))
+  assert error.value.field == "method"

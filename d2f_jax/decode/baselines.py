@@ -121,7 +121,7 @@ class ARState:
   forwards: jax.Array  # [B] int32
   trace: jax.Array  # [B, N] int32
   key: jax.Array
-  t: jax.Array  # () int32 tokens produced so far
+  t: jax.Array  # () int32 tokens produced so far; [B] when rows started at different times (the engine)
 
 
 def _ar_emit(state: ARState, logits: jax.Array, knobs: Knobs, spec: DecodeSpec) -> ARState:
@@ -131,8 +131,10 @@ def _ar_emit(state: ARState, logits: jax.Array, knobs: Knobs, spec: DecodeSpec) 
   live = ~state.done
   token = jnp.where(live, choice, spec.model.pad_token_id)
   width = state.tokens.shape[1] - spec.max_new_tokens
-  tokens = jax.lax.dynamic_update_slice(state.tokens, token[:, None], (0, width + state.t))
-  trace = jax.lax.dynamic_update_slice(state.trace, jnp.where(live, state.t, -1)[:, None], (0, state.t))
+  rows = jnp.arange(token.shape[0])
+  t = jnp.broadcast_to(state.t, token.shape)  # [B]; past the response (a frozen row) the writes drop
+  tokens = state.tokens.at[rows, width + t].set(token, mode="drop")
+  trace = state.trace.at[rows, t].set(jnp.where(live, t, -1), mode="drop")
   return state.replace(tokens=tokens, trace=trace, key=key, t=state.t + 1, forwards=state.forwards + live,
                        done=state.done | (live & is_stop(choice, knobs.stop_ids)))
 
@@ -159,8 +161,9 @@ def init_ar(model, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec) -> A
 def step_ar(model, state: ARState, knobs: Knobs, spec: DecodeSpec) -> ARState:
   """Feed the last token (position prompt_len + t - 1) against the cache; emit the next one."""
   width = state.tokens.shape[1] - spec.max_new_tokens
-  last = jax.lax.dynamic_slice_in_dim(state.tokens, width + state.t - 1, 1, axis=1)  # [B, 1]
-  positions = (state.prompt_len + state.t - 1)[:, None]
+  t = jnp.broadcast_to(state.t, state.prompt_len.shape)  # [B]
+  last = jnp.take_along_axis(state.tokens, (width + t - 1)[:, None], axis=1)  # [B, 1]
+  positions = (state.prompt_len + t - 1)[:, None]
   raw, (k, v) = model(last, positions, positions, state.cache)
   cache = state.cache.write(k, v, positions, jnp.ones_like(state.prompt_len))
   return _ar_emit(state.replace(cache=cache), raw[:, 0], knobs, spec)
@@ -184,4 +187,4 @@ def settled_full(state: FullState, spec: DecodeSpec) -> list[int]:
 def settled_ar(state: ARState, spec: DecodeSpec) -> list[int]:
   """Row 0's first `t` response tokens, on the host."""
   width = state.tokens.shape[1] - spec.max_new_tokens
-  return np.asarray(state.tokens[0, width:width + int(state.t)]).tolist()
+  return np.asarray(state.tokens[0, width:width + int(np.asarray(state.t).reshape(-1)[0])]).tolist()

@@ -26,10 +26,11 @@ import jax
 import numpy as np
 
 from d2f_jax.decode import limits
-from d2f_jax.decode.config import DecodeConfig, resolve
+from d2f_jax.decode.config import DecodeConfig, check_method_fits, model_attention, resolve
 from d2f_jax.serve import programs
 from d2f_jax.serve.requests import Request, check_prompt, completion, request_knobs, settled_ids
-from d2f_jax.serve.types import (Completion, EngineStopped, Event, EventCallback, QueueFull, RequestSettings)
+from d2f_jax.serve.types import (ENGINE_METHODS, Completion, EngineStopped, Event, EventCallback, QueueFull,
+                                 RequestSettings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EngineConfig:
   """Fixed per engine: shapes and the bound on what a request may ask."""
 
   slots: int = 32
+  method: str = "d2f"  # 'd2f' (requests: d2f or threshold) or 'ar' (the causal baseline model)
   block_size: int = 32
   max_new_tokens: int = 256  # the bound; each request may ask for less (a multiple of block_size)
   max_prompt_len: int = 512
@@ -53,6 +55,8 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+    if self.method not in ENGINE_METHODS:
+      raise ValueError(f"EngineConfig.method must be one of {tuple(ENGINE_METHODS)}, got {self.method!r}")
     if self.max_new_tokens % self.block_size:
       raise ValueError(f"EngineConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of block_size "
                        f"({self.block_size})")
@@ -68,9 +72,10 @@ class Engine:
   def __init__(self, model, config: EngineConfig = EngineConfig()):
     limits.check_positions(model.config, config.prompt_width, config.max_new_tokens)
     self.model, self.config = model, config
-    base = DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=config.max_new_tokens,
+    base = DecodeConfig(method=config.method, block_size=config.block_size, max_new_tokens=config.max_new_tokens,
                         max_blocks_in_flight=config.max_blocks_in_flight, temperature=1.0 if config.sampling else 0.0,
                         memory_budget_gib=config.memory_budget_gib)
+    check_method_fits(model.config, base, model_attention(model))
     self.spec, knobs = resolve(base, model.config)
     placement = getattr(model, "placement", None)
     devices = list(placement.mesh.devices.flat) if placement is not None else jax.local_devices()[:1]
@@ -95,7 +100,8 @@ class Engine:
     """Queue a request (checked first: RequestError names the field); returns its id."""
     prompt = check_prompt(prompt_ids, vocab_size=self.model.config.vocab_size,
                           max_prompt_len=self.config.max_prompt_len)
-    n, knobs, stops = request_knobs(settings, model_config=self.model.config, block_size=self.config.block_size,
+    n, knobs, stops = request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
+                                    block_size=self.config.block_size,
                                     bound=self.config.max_new_tokens, sampling=self.config.sampling)
     with self._lock:
       if not self._admitting:

@@ -10,28 +10,51 @@ decode touches only its own row, so a request decodes exactly as it would alone:
 - `advance` runs up to `steps` D2F steps over all slots inside one while_loop that exits as soon as a live
   slot finishes, so the host can refill it. A free slot is a done row: frozen, it changes nothing.
 - a row stops after max_new_tokens + 2 forwards, the bound `generate`'s loop puts on a batch run alone.
+
+An AR engine (the causal baseline model, `spec.method == 'ar'`) runs the same programs over the cached AR
+loop state (decode/baselines.py) with a token counter per row: one token per row per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from d2f_jax.decode import pipeline
+from d2f_jax.decode import baselines, pipeline
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state
-from d2f_jax.decode.pipeline import D2FState
 from d2f_jax.models import PAD_ID, KVCache
 from d2f_jax.sharding import MeshLayout, mesh_layout
 
 
-def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs) -> tuple[D2FState, Knobs]:
+def _is_ar(spec: DecodeSpec) -> bool:
+  return spec.method == "ar"
+
+
+def _prompt_width(state, spec: DecodeSpec) -> int:
+  return state.tokens.shape[1] - spec.max_new_tokens - (0 if _is_ar(spec) else spec.window)
+
+
+def _fresh_ar(prompt: jax.Array, prompt_len: jax.Array, spec: DecodeSpec) -> baselines.ARState:
+  slots = prompt.shape[0]
+  response = jnp.full((slots, spec.max_new_tokens), spec.model.pad_token_id, jnp.int32)
+  zeros = jnp.zeros((slots,), jnp.int32)
+  return baselines.ARState(tokens=jnp.concatenate([prompt, response], axis=1), prompt_len=prompt_len,
+                           cache=KVCache.init(spec.model, slots, prompt.shape[1] + spec.max_new_tokens),
+                           done=jnp.zeros((slots,), bool), forwards=zeros,
+                           trace=jnp.full((slots, spec.max_new_tokens), -1, jnp.int32), key=jax.random.key(0), t=zeros)
+
+
+def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs):
   """A slot batch with every slot free (done), and per-slot knobs ([S] leaves, stop ids [S, K])."""
   prompt = jnp.full((slots, prompt_width), spec.model.pad_token_id, jnp.int32)
-  state = pipeline.fresh_state(prompt, jnp.ones((slots,), jnp.int32), jax.random.key(0), spec)
+  lengths = jnp.ones((slots,), jnp.int32)
+  state = (_fresh_ar(prompt, lengths, spec) if _is_ar(spec)
+           else pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec))
   state = state.replace(done=jnp.ones((slots,), bool))
   rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape), knobs)
   # Own buffers per leaf (fresh_state shares one zeros array between counters): the programs donate them.
@@ -42,11 +65,11 @@ def _put_row(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> 
   return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis=axis)
 
 
-def _into_width(row: D2FState, prompt_width: int, spec: DecodeSpec) -> D2FState:
+def _into_width(row, prompt_width: int, spec: DecodeSpec):
   """A 1-row state decoded at its prompt bucket, laid out at the engine's prompt width: the token buffer
   left-padded (response block j stays at column prompt_width + j * block_size), the cache padded with
   empty slots."""
-  extra = prompt_width - (row.tokens.shape[1] - spec.max_new_tokens - spec.window)
+  extra = prompt_width - _prompt_width(row, spec)
   tokens = jnp.pad(row.tokens, ((0, 0), (extra, 0)), constant_values=spec.model.pad_token_id)
   pad5 = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))  # k, v [L, 1, S, K, D]
   cache = KVCache(k=jnp.pad(row.cache.k, pad5), v=jnp.pad(row.cache.v, pad5),
@@ -55,41 +78,49 @@ def _into_width(row: D2FState, prompt_width: int, spec: DecodeSpec) -> D2FState:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"), donate_argnums=(2, 3))
-def insert(graphdef, params, state: D2FState, knobs: Knobs, slot: jax.Array, prompt: jax.Array,
+def insert(graphdef, params, state, knobs: Knobs, slot: jax.Array, prompt: jax.Array,
            prompt_len: jax.Array, row_knobs: Knobs, key: jax.Array, *, spec: DecodeSpec,
-           layout: MeshLayout | None = None) -> tuple[D2FState, Knobs]:
+           layout: MeshLayout | None = None):
   """Prefill one request into `slot`: prompt [1, bucket] left-padded, prompt_len [1], row_knobs scalars,
   key the request's own (its first step's sampling)."""
-  slots, width = state.tokens.shape[0], state.tokens.shape[1] - spec.max_new_tokens - spec.window
+  slots, width = state.tokens.shape[0], _prompt_width(state, spec)
+  init = baselines.init_ar if _is_ar(spec) else pipeline.init
   with mesh_layout(layout):
-    row = pipeline.init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
+    row = init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
+  if _is_ar(spec):
+    row = row.replace(t=jnp.broadcast_to(row.t, (1,)))
   row = _into_width(row, width, spec)
   cache = KVCache(k=_put_row(state.cache.k, row.cache.k, slot, 1), v=_put_row(state.cache.v, row.cache.v, slot, 1),
                   ids=_put_row(state.cache.ids, row.cache.ids, slot), length=_put_row(state.cache.length,
                                                                                        row.cache.length, slot))
-  batch_leaves = {f: _put_row(getattr(state, f), getattr(row, f), slot) for f in _ROW_FIELDS}
+  batch_leaves = {f: _put_row(getattr(state, f), getattr(row, f), slot) for f in _row_fields(state, slots)}
   state = state.replace(cache=cache, **batch_leaves)
   knobs = jax.tree.map(lambda big, one: _put_row(big, one[None], slot), knobs, row_knobs)
   return constrain_loop_state(state, layout, slots), knobs
 
 
-# D2FState fields with a leading slot axis (the cache is placed separately; `key` and `t` are shared).
-_ROW_FIELDS = ("tokens", "prompt_len", "prev_logits", "cached", "pending", "added", "eos", "done", "forwards",
-               "trace", "blocks", "max_in_flight", "semi_steps", "max_accepted", "in_flight_sum", "window_sum")
+def _row_fields(state, slots: int) -> list[str]:
+  """The loop state's fields with a leading slot axis (the cache is placed apart; the key, and d2f's step
+  counter, are shared by all slots)."""
+  return [f.name for f in dataclasses.fields(state) if f.name != "cache"
+          and getattr(state, f.name).ndim and getattr(state, f.name).shape[0] == slots]
 
 
-def _bounded(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
-  """Freeze rows at the forward bound `generate` puts on a batch run alone: max_new_tokens + 2."""
-  limit = knobs.block_limit * spec.block_size + 2
-  return state.replace(done=state.done | (state.forwards >= limit))
+def _bounded(state, knobs: Knobs, spec: DecodeSpec):
+  """Freeze rows at the bound `generate` puts on a batch run alone: max_new_tokens + 2 forwards (d2f), or
+  max_new_tokens tokens (ar)."""
+  n = knobs.block_limit * spec.block_size
+  over = state.t >= n if _is_ar(spec) else state.forwards >= n + 2
+  return state.replace(done=state.done | over)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout", "steps"), donate_argnums=(2,))
-def advance(graphdef, params, state: D2FState, knobs: Knobs, *, spec: DecodeSpec, steps: int,
-            layout: MeshLayout | None = None) -> D2FState:
+def advance(graphdef, params, state, knobs: Knobs, *, spec: DecodeSpec, steps: int,
+            layout: MeshLayout | None = None):
   """Up to `steps` D2F steps over every slot; returns early once a slot that was live has finished."""
   slots = state.tokens.shape[0]
   was_done = state.done
+  step = baselines.step_ar if _is_ar(spec) else pipeline.step
 
   def running(carry):
     i, s = carry
@@ -97,7 +128,7 @@ def advance(graphdef, params, state: D2FState, knobs: Knobs, *, spec: DecodeSpec
 
   def body(carry):
     i, s = carry
-    s = _bounded(pipeline.step(model, s, knobs, spec), knobs, spec)
+    s = _bounded(step(model, s, knobs, spec), knobs, spec)
     return i + 1, constrain_loop_state(s, layout, slots)
 
   with mesh_layout(layout):
@@ -107,17 +138,18 @@ def advance(graphdef, params, state: D2FState, knobs: Knobs, *, spec: DecodeSpec
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def release(state: D2FState, slot: jax.Array) -> D2FState:
+def release(state, slot: jax.Array):
   """Free a slot now (a cancelled request): its row is frozen and its compute wasted until refilled."""
   return state.replace(done=state.done.at[slot].set(True))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def readout(state: D2FState, *, spec: DecodeSpec):
+def readout(state, *, spec: DecodeSpec):
   """What the host needs each round: responses [S, N], trace [S, N], done, forwards and the d2f
-  diagnostics [S] (a few KB, not the cache)."""
-  width = state.tokens.shape[1] - spec.max_new_tokens - spec.window
-  n = spec.max_new_tokens
+  diagnostics [S] (zero for ar; a few KB, not the cache)."""
+  width, n = _prompt_width(state, spec), spec.max_new_tokens
+  zeros = jnp.zeros_like(state.forwards)
+  stats = {k: getattr(state, k, zeros) for k in ("max_in_flight", "semi_steps", "max_accepted", "in_flight_sum",
+                                                   "window_sum")}
   return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
-              forwards=state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
-              max_accepted=state.max_accepted, in_flight_sum=state.in_flight_sum, window_sum=state.window_sum)
+              forwards=state.forwards, **stats)

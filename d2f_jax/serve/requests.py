@@ -52,13 +52,15 @@ def check_prompt(prompt_ids, *, vocab_size: int, max_prompt_len: int) -> np.ndar
   return ids.astype(np.int32)
 
 
-def request_knobs(settings: RequestSettings, *, model_config, block_size: int, bound: int, sampling: bool
-                  ) -> tuple[int, Knobs, frozenset]:
+def request_knobs(settings: RequestSettings, *, model_config, engine_method: str, block_size: int, bound: int,
+                  sampling: bool) -> tuple[int, Knobs, frozenset]:
   """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone."""
   if not isinstance(settings, RequestSettings):
     raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
-  if settings.method not in ENGINE_METHODS:
-    raise RequestError("method", f"must be one of {ENGINE_METHODS}, got {settings.method!r}")
+  method = settings.method or engine_method
+  if method not in ENGINE_METHODS[engine_method]:
+    raise RequestError("method", f"this {engine_method} engine decodes {ENGINE_METHODS[engine_method]}, "
+                                 f"got {settings.method!r}")
   n = bound if settings.max_new_tokens is None else settings.max_new_tokens
   if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= bound or n % block_size:
     raise RequestError("max_new_tokens", f"must be a positive multiple of the engine's block size {block_size} "
@@ -72,7 +74,7 @@ def request_knobs(settings: RequestSettings, *, model_config, block_size: int, b
     raise RequestError("stop_token_ids", f"must be at most {MAX_STOP_TOKENS} token ids inside the vocabulary "
                                          f"[0, {model_config.vocab_size}), got {list(stops)!r}")
   try:
-    config = DecodeConfig(method=settings.method, block_size=block_size, max_new_tokens=n,
+    config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
                           temperature=settings.temperature, top_p=settings.top_p,
                           stop_tokens=None if stops is None else tuple(stops))

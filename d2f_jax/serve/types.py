@@ -1,8 +1,9 @@
 """What crosses the engine's boundary: a request's settings, the events it streams back, and the refusals.
 
 Per-request settings are the decode knobs that are traced today (thresholds, temperature, top-p, stop ids)
-plus `max_new_tokens` up to the engine's bound and `method` ('d2f' or 'threshold', which is d2f with
-tau_add 1 and one block in flight); block size, prompt bound and slot count are fixed per engine.
+plus `max_new_tokens` up to the engine's bound and `method`: on a D2F engine 'd2f' or 'threshold' (d2f with
+tau_add 1 and one block in flight), on an AR engine (the causal baseline model) 'ar'. Block size, prompt
+bound and slot count are fixed per engine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
-ENGINE_METHODS = ("d2f", "threshold")
+ENGINE_METHODS = {"d2f": ("d2f", "threshold"), "ar": ("ar",)}  # engine method -> request methods
 FINISH_REASONS = ("stop", "length", "cancelled")
 
 
@@ -18,7 +19,7 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 class RequestSettings:
   """One request's decode settings; defaults are the paper's D2F thresholds, greedy."""
 
-  method: str = "d2f"
+  method: str | None = None  # None: the engine's method
   max_new_tokens: int | None = None  # None: the engine's bound; else a multiple of its block size
   tau_add: float = 0.1
   tau_act: float = 0.95
