@@ -53,7 +53,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
   def _get_help_string(self, action):
     text = action.help or ""
-    if (action.required or not action.option_strings or action.default is argparse.SUPPRESS
+    if action.required:
+      return f"{text} (required)".strip()
+    if (not action.option_strings or action.default is argparse.SUPPRESS
         or "(default" in text or isinstance(action, argparse._HelpAction)):
       return text
     return f"{text} (default: %(default)s)".strip()
@@ -67,6 +69,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def error(self, message: str):
     raise UsageError(f"{message} (`{self.prog} --help` lists the flags)")
+
+
+def _wrap(text: str) -> list[str]:
+  return textwrap.wrap(text, 100, initial_indent="      ", subsequent_indent="      ")
 
 
 def absl_help(doc: str, flag_values) -> str:
@@ -83,12 +89,11 @@ def absl_help(doc: str, flag_values) -> str:
       seen.add(flag.name)
       default = config_files.default_of(flag)
       help_text = f"{flag.help} (default: {'none' if default is None else default})"
-      lines.append(f"  --{flag.name}")
-      lines += textwrap.wrap(help_text, 100, initial_indent="      ", subsequent_indent="      ")
+      lines += [f"  --{flag.name}", *_wrap(help_text)]
       if config_files.is_config_flag(flag):
-        lines.append(f"  --{flag.name}.FIELD=VALUE")
-        lines += textwrap.wrap(f"override one field of the config (repeatable), e.g. --{flag.name}.seed=1; "
-                               f"after --{flag.name}", 100, initial_indent="      ", subsequent_indent="      ")
+        lines += [f"  --{flag.name}.FIELD=VALUE", *_wrap(
+            f"override one field of the config (repeatable), e.g. --{flag.name}.seed=1; after --{flag.name} "
+            "(default: the config file's values)")]
   return "\n".join(lines)
 
 

@@ -81,8 +81,8 @@ def test_a_real_target_without_its_compiler_exits_2_never_compiles_on_cpu(target
 
 def test_overrides_are_typed_like_the_field(monkeypatch):
   monkeypatch.chdir(ROOT)
-  _, config, model = cli.parse(["--target", "cpu-8", "--config", LLADA, "--config.optim.lr=3e-4", "--config.remat=false",
-                                "--config.lora.rank", "8"])
+  _, config, model = cli.parse(["--target", "cpu-8", "--config", LLADA, "--config.optim.lr=3e-4",
+                                "--config.remat=false", "--config.lora.rank", "8"])
   assert (config.optim.lr, config.remat, config.lora.rank, model) == (3e-4, False, 8, "llada-8b")
 
 
