@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import sys
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
-from d2f_jax import config_files
+from d2f_jax import config_files, usage
 
-_CONFIG = config_files.DEFINE_config_file("config", None, "Config file, optionally `path.py:arg`.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported adapter.")
+_CONFIG = config_files.DEFINE_config_file("config", None, "Config file, optionally `path.py:arg`. Required.",
+                                           lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported adapter. Required.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 EXIT_BAD_INPUT = 2
@@ -43,7 +44,7 @@ def _fail(code: int, error: BaseException) -> None:
 
 def main(argv) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise usage.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # absl (and orbax through it) logs every checkpoint step at INFO: keep those to warnings, ours at INFO.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.INFO)
@@ -55,7 +56,7 @@ def main(argv) -> None:
   try:  # the Trainer validates the config, then starts jax.distributed before anything touches the devices
     trainer = Trainer(config, _WORKDIR.value)
   except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:
-    _fail(EXIT_BAD_INPUT, e)  # a config field, data file, model directory or workdir that cannot be used
+    raise usage.UsageError(str(e) or type(e).__name__) from None  # a config field, data file, model directory or workdir that cannot be used
   try:
     history = trainer.run()
   except NonFiniteError as e:
@@ -73,4 +74,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  usage.run_absl(main, __doc__)

@@ -15,18 +15,18 @@ import argparse
 import sys
 import time
 
-from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags, setup_devices
+from d2f_jax.decode.flags import (add_decode_flags, add_device_flags, add_model_flags, check_model_flags,
+                                  decode_config_from_flags, setup_devices)
 from d2f_jax.evals.runner import TASKS, WARMUPS
-from d2f_jax.usage import UsageError
+from d2f_jax.usage import ArgumentParser, UsageError, command
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.evaluate", description=__doc__.split("\n")[0])
-  p.add_argument("--model", required=True, help="HF or converted model directory")
-  p.add_argument("--lora_dir", "--lora", default=None, help="PEFT adapter merged into the model (a D2F student)")
-  p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16")
-  p.add_argument("--task", required=True, choices=sorted(TASKS))
-  p.add_argument("--data", default=None, help="benchmark file (default: <task file> in $D2F_DATA_DIR, else ~/.local/share/d2f_jax)")
+  p = ArgumentParser("python -m d2f_jax.evaluate", __doc__)
+  add_model_flags(p)
+  p.add_argument("--task", required=True, choices=sorted(TASKS), help="the benchmark")
+  p.add_argument("--data", default=None,
+                 help="benchmark file (default: <task file> in $D2F_DATA_DIR, else ~/.local/share/d2f_jax)")
   p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
   p.add_argument("--out", default=None, help="output directory (default results/evals/<task>_<method>_<time>)")
   p.add_argument("--batch_size", type=int, default=1, help="prompts per generate call (the paper uses 1)")
@@ -34,15 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
                  help="untimed compile calls: one per prompt shape, the first batch only, or none")
   p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
   p.add_argument("--add_bos", action="store_true", help="prepend the model's BOS id to every prompt")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
   g = p.add_argument_group("gsm8k")
-  g.add_argument("--n_shot", type=int, default=4)
+  g.add_argument("--n_shot", type=int, default=4, help="few-shot exemplars in each prompt")
   g.add_argument("--fewshot_data", default=None, help="draw exemplars from this GSM8K-format file "
                  "(seeded) instead of the built-in ones")
-  g.add_argument("--fewshot_seed", type=int, default=1234)
+  g.add_argument("--fewshot_seed", type=int, default=1234, help="seed of the --fewshot_data draw")
   h = p.add_argument_group("humaneval execution")
   h.add_argument("--exec_timeout", type=float, default=10.0, help="seconds per program")
-  h.add_argument("--exec_memory_mb", type=int, default=1024)
+  h.add_argument("--exec_memory_mb", type=int, default=1024, help="memory limit per program")
   h.add_argument("--exec_workers", type=int, default=2, help="programs run at once")
   h.add_argument("--isolation", default="bubblewrap", choices=("bubblewrap", "process"),
                  help="bubblewrap namespaces (default; an error where they cannot run) or 'process', the "
@@ -70,11 +70,13 @@ def make_task(args):
   return by_name("humaneval", path=args.data, sandbox=sandbox, workers=args.exec_workers)
 
 
+@command
 def main(argv: list[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.limit is not None and args.limit < 1:
     raise UsageError(f"--limit must be a positive int, got {args.limit}")
   config = decode_config_from_flags(args)
+  check_model_flags(args)
   mesh = setup_devices(args, local=True)  # before any other JAX call (jax.distributed)
   task = make_task(args)
   try:  # read the benchmark before the (slow) model load, so a bad file fails at once
@@ -83,12 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
     raise UsageError(f"cannot read the {args.task} data: {e}") from e
   out = args.out or f"results/evals/{args.task}_{args.method}_{time.strftime('%Y%m%d_%H%M%S')}"
 
-  import d2f_jax
   from d2f_jax.decode.config import check_method_fits, model_attention
   from d2f_jax.evals.runner import run_benchmark
 
-  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
-                             mesh=mesh)
+  model = load_model(args, mesh)
   try:
     check_method_fits(model.config, config, model_attention(model))
   except ValueError as e:
@@ -99,9 +99,30 @@ def main(argv: list[str] | None = None) -> dict:
                             add_bos=args.add_bos, warmup=args.warmup, seed=args.seed, out_dir=out)
   except DecodeInputError as e:  # a problem's prompt too long for the model, the cache past the memory budget
     raise UsageError(f"{args.task} on {args.model}: {e}") from None
-  if "files" in results:  # process 0
+  if "files" in results:  # process 0: the score on stdout (progress and the rest of the log go to stderr)
+    print(summary(results), flush=True)
     print(f"wrote {results['files']['results']} and {results['files']['samples']}", file=sys.stderr)
   return results
+
+
+def summary(results: dict) -> str:
+  """One line: score with its standard error, throughput and where the files are."""
+  speed = results["speed"]
+  per = lambda v, fmt: "n/a" if v is None else format(v, fmt)  # noqa: E731
+  stderr = "" if results["score_stderr"] is None else f" +- {results['score_stderr']:.2f}"
+  return (f"{results['task']} {results['metric']} {results['score']:.2f}{stderr} "
+          f"({results['correct']}/{results['total']}), {per(speed['tokens_per_s'], '.1f')} tokens/s, "
+          f"{per(speed['tokens_per_forward'], '.2f')} tokens/forward; {results['files']['results']}")
+
+
+def load_model(args, mesh):
+  """The model of --model / --lora_dir (checked by check_model_flags); a refusal is one `error:` line."""
+  import d2f_jax
+  try:
+    return d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
+                              mesh=mesh)
+  except (OSError, ValueError) as e:  # ConvertError is a ValueError
+    raise UsageError(f"--model {args.model}: {e}") from None
 
 
 if __name__ == "__main__":

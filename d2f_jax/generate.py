@@ -13,23 +13,22 @@ import sys
 import time
 
 from d2f_jax.decode import generate, stream
-from d2f_jax.decode.flags import add_decode_flags, add_device_flags, decode_config_from_flags
+from d2f_jax.decode.flags import (add_decode_flags, add_device_flags, add_model_flags, check_model_flags,
+                                  decode_config_from_flags)
 from d2f_jax.decode.limits import DecodeInputError
-from d2f_jax.usage import UsageError
+from d2f_jax.usage import ArgumentParser, UsageError, command
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.generate", description=__doc__.split("\n")[0])
-  p.add_argument("--model", required=True, help="HF or converted model directory")
-  p.add_argument("--lora", default=None, help="PEFT adapter directory merged into the model (a D2F student)")
-  p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16 or float32")
+  p = ArgumentParser("python -m d2f_jax.generate", __doc__)
+  add_model_flags(p)
   group = p.add_mutually_exclusive_group(required=True)
   group.add_argument("--prompt", help="prompt text")
   group.add_argument("--prompt_ids", help="comma-separated prompt token ids (no tokenizer needed)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
   add_decode_flags(p)
   add_device_flags(p)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
   p.add_argument("--no_stream", action="store_true", help="one jitted loop, print at the end")
   p.add_argument("--warmup", action="store_true", help="compile with one run first, so timings exclude it")
   return p
@@ -53,18 +52,18 @@ def _text(model, ids) -> str:
   return " ".join(map(str, ids)) if model.tokenizer is None else model.decode(ids)
 
 
+@command
 def main(argv: list[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   config = decode_config_from_flags(args)
+  check_model_flags(args)
   from d2f_jax.decode.flags import setup_devices
   mesh = setup_devices(args)  # before any other JAX call (jax.distributed)
   import jax
 
-  import d2f_jax
-
   if jax.process_count() > 1 and not args.no_stream:
     raise UsageError("streaming reads the state on one process; pass --no_stream with several processes")
-  model = d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
+  model = load_model(args, mesh)
   from d2f_jax.decode.config import check_method_fits, model_attention
   try:
     check_method_fits(model.config, config, model_attention(model))
@@ -108,6 +107,16 @@ def _decode(model, prompt, config, key, args, mesh, say) -> dict:
       f"({stats['tokens_per_forward']:.2f} tokens/forward), {seconds:.2f}s, {stats['tokens_per_s']:.1f} tokens/s"
       f"{devices}{note}", file=sys.stderr)
   return stats
+
+
+def load_model(args, mesh):
+  """The model of --model / --lora_dir (checked by check_model_flags); a refusal is one `error:` line."""
+  import d2f_jax
+  try:
+    return d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
+                              mesh=mesh)
+  except (OSError, ValueError) as e:  # ConvertError is a ValueError
+    raise UsageError(f"--model {args.model}: {e}") from None
 
 
 if __name__ == "__main__":

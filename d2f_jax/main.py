@@ -1,6 +1,7 @@
 r"""The main job: D2F reproduced in miniature on a CPU, end to end, with no download.
 
   python -m d2f_jax.main [--config configs/tiny_e2e.py[:arg]] [--workdir DIR] [--config.field=value ...]
+  python -m d2f_jax.main --config configs/tiny_e2e.py:smoke --workdir /tmp/e2e   # the one-minute variant
 
 Writes results.md, results.json, throughput_vs_accuracy.png and decode_trace.png into the workdir, and the
 trained models as Hugging Face directories in <workdir>/<stage>/hf (ar, teacher, student). Stage messages,
@@ -13,18 +14,19 @@ from __future__ import annotations
 import logging
 import os
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
-from d2f_jax import config_files
+from d2f_jax import config_files, usage
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_e2e.py")
-_CONFIG = config_files.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file, optionally `path.py:arg`.")
+_CONFIG = config_files.DEFINE_config_file(
+    "config", _DEFAULT_CONFIG, "Config file, optionally `path.py:arg` (configs/tiny_e2e.py:smoke: a one-minute run).")
 _WORKDIR = flags.DEFINE_string("workdir", os.path.join("workdir", "tiny_e2e"), "Output and checkpoint directory.")
 
 
 def main(argv) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise usage.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # absl's handler owns the root logger: keep library chatter (jax, orbax) at WARNING; the stages speak
   # through pipeline.say and the progress bars, on stderr.
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -38,4 +40,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  usage.run_absl(main, __doc__)

@@ -49,33 +49,40 @@ def test_gpu_target_descriptions_are_packaged():
     (["--target", "cpu-8", "--config", LLADA, "--mesh", "data=2,model=4"], "--mesh"),
     (["--target", "v5p-8", "--config", LLADA], "does not fit the 4 devices of v5p-8"),
     (["--target", "cpu-8", "--config", "configs/nope.py"], "does not exist"),
-    (["--target", "cpu-8", "--config", LLADA, "--config.optim.nope=1"], "--config.optim.nope=1"),
-    (["--target", "cpu-8", "--config", LLADA, "--config.optim.lr"], "needs a value"),
-    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"], "invalid choice"),
+    (["--target", "cpu-8", "--config", LLADA, "--config.optim.nope=1"], "--config.optim.nope: the config has no field"),
+    (["--target", "cpu-8", "--config", LLADA, "--config.optim.lrr=1"], "did you mean --config.optim.lr?"),
+    (["--target", "cpu-8", "--config", LLADA, "--config.optim.lr"], "Missing value for flag --config.optim.lr"),
+    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"], "one of <train|d2f_decode|ar_decode>"),
+    (["--target", "cpu-8", "--config", LLADA, "--config", DREAM], "given 2 times: one config per run"),
+    (["--config", LLADA], "--target is required"),
 ])
 def test_argument_errors_exit_2_with_a_message(argv, message, capsys, monkeypatch):
   monkeypatch.chdir(ROOT)
   with pytest.raises(SystemExit) as e:
     aot.main(argv)
   assert e.value.code == 2
-  assert message in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
 @pytest.mark.skipif(topology.has_libtpu() or topology.has_cuda_plugin(), reason="an accelerator compiler is here")
-@pytest.mark.parametrize("target,venv", [("v5p-64", "/work/venvs/tpu"), ("v5e-8", "/work/venvs/tpu"),
-                                         ("8xh100", "/work/venvs/cuda"), ("a100", "/work/venvs/cuda")])
-def test_a_real_target_without_its_compiler_exits_2_never_compiles_on_cpu(target, venv, capsys, monkeypatch):
+@pytest.mark.parametrize("target,install", [("v5p-64", "d2f_jax[tpu]"), ("v5e-8", "d2f_jax[tpu]"),
+                                         ("8xh100", "d2f_jax[cuda12]"), ("a100", "d2f_jax[cuda12]")])
+def test_a_real_target_without_its_compiler_exits_2_never_compiles_on_cpu(target, install, capsys, monkeypatch):
   monkeypatch.chdir(ROOT)
-  assert aot.main(["--target", target, "--config", "configs/llada_8b.py", "--program", "d2f_decode"]) == 2
+  with pytest.raises(SystemExit) as e:
+    aot.main(["--target", target, "--config", "configs/llada_8b.py", "--program", "d2f_decode"])
+  assert e.value.code == 2
   out = capsys.readouterr()
-  assert out.err.count("\n") == 1 and out.err.startswith("error: ") and venv in out.err, out.err
+  assert out.err.count("\n") == 1 and out.err.startswith("error: ") and install in out.err, out.err
+  assert ".ci/accel_venvs.sh" in out.err and "/work/" not in out.err
   assert "compiled" not in out.out and "lowered" not in out.out  # nothing ran on a CPU stand-in
 
 
 def test_overrides_are_typed_like_the_field(monkeypatch):
   monkeypatch.chdir(ROOT)
-  args = cli.build_parser().parse_args(["--target", "cpu-8", "--config", LLADA])
-  config, model = cli.load_config(LLADA, [("optim.lr", "3e-4"), ("remat", "false"), ("lora.rank", "8")], args)
+  _, config, model = cli.parse(["--target", "cpu-8", "--config", LLADA, "--config.optim.lr=3e-4",
+                                "--config.remat=false", "--config.lora.rank", "8"])
   assert (config.optim.lr, config.remat, config.lora.rank, model) == (3e-4, False, 8, "llada-8b")
 
 
@@ -96,11 +103,13 @@ def _run(args, timeout=600):
 
 
 def test_quick_train_and_d2f_decode_of_both_families_on_eight_fake_devices(tmp_path):
-  out = tmp_path / "aot.json"
-  proc = _run(["--target", "cpu-8", "--config", LLADA, "--config", DREAM, "--quick", "--mesh", MESH8,
-               "--program", "train", "--program", "d2f_decode", "--batch", "3", "--json", str(out)])
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  results = json.loads(out.read_text())["results"]
+  results = []
+  for i, config in enumerate((LLADA, DREAM)):  # one --config per run
+    out = tmp_path / f"aot{i}.json"
+    proc = _run(["--target", "cpu-8", "--config", config, "--quick", "--mesh", MESH8,
+                 "--program", "train", "--program", "d2f_decode", "--batch", "3", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results += json.loads(out.read_text())["results"]
   assert [(r["model"], r["program"]) for r in results] == [
       (m, p) for m in ("tiny-llada", "tiny-dream") for p in ("train", "d2f_decode")]
   for r in results:
@@ -120,11 +129,11 @@ def test_train_program_is_the_configs_objective_not_always_distill(monkeypatch):
   """Built through train.step.spec_from_config (the Trainer's): an mdm config has no teacher weights."""
   import jax
   monkeypatch.chdir(ROOT)
-  args = cli.build_parser().parse_args(["--target", "cpu-1", "--config", LLADA, "--quick"])
   built = {}
   for objective, finetune in (("distill", "lora"), ("mdm", "full")):
-    config, _ = cli.load_config(LLADA, [("objective", objective), ("finetune", finetune), ("mesh.data", "1"),
-                                        ("mesh.fsdp", "1"), ("batch_size", "2"), ("micro_batches", "1")], args)
+    _, config, _ = cli.parse(["--target", "cpu-1", "--config", LLADA, "--quick", f"--config.objective={objective}",
+                              f"--config.finetune={finetune}", "--config.mesh.data=1", "--config.mesh.fsdp=1",
+                              "--config.batch_size=2", "--config.micro_batches=1"])
     built[objective] = programs.train_program(config, jax.devices("cpu")[:1])
   assert built["distill"].shape["objective"] == "distill" and built["mdm"].shape["objective"] == "mdm"
   state, frozen, _ = built["mdm"].args

@@ -143,13 +143,16 @@ class _Request:
     self.args = (context, gen_kwargs)
 
 
-def test_generate_until_honours_until_and_max_gen_toks(model):
+def test_generate_until_honours_until_and_max_gen_toks(model, capsys):
   from d2f_jax.evals.lm_eval_model import D2FJaxLM
   lm = D2FJaxLM(model=model, block_size=8, prompt_buckets=256, max_gen_toks=16)
   free, short = lm.generate_until([_Request("w5 w6 w7", {"until": []}), _Request("w5 w6 w7", {"max_gen_toks": 3})])
+  err = capsys.readouterr().err  # a progress bar on stderr: hours at GSM8K scale are not silent
+  assert "generate_until" in err and "2/2" in err, err
   words = free.split()
   assert 3 < len(words) <= 16 and short.split() == words[:3]
-  cut = lm.generate_until([_Request("w5 w6 w7", {"until": [f" {words[2]}"]})])[0]
+  cut = lm.generate_until([_Request("w5 w6 w7", {"until": [f" {words[2]}"]})], disable_tqdm=True)[0]
+  assert "generate_until" not in capsys.readouterr().err  # lm-eval's disable_tqdm turns the bar off
   assert cut == free[:free.find(f" {words[2]}")] and len(cut) < len(free)
 
 

@@ -2,7 +2,7 @@
 GPUs through the CUDA plugin's deviceless compile, and fake CPU devices (only when `cpu-N` is asked for).
 
 A real target never falls back to the CPU: without its compiler, `devices` raises `CompilerMissing`, whose
-one-line message names the environment that has it (the CLI prints it and exits 2).
+one-line message says how to install it (the CLI prints it and exits 2).
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ USABLE_FRACTION = 0.9
 # GPU kinds -> the target description (a GpuTargetConfig text proto shipped in d2f_jax/aot/targets).
 GPU_TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb"}
 GPU_ARCH = {"h100": "sm_90a", "a100": "sm_80"}  # the PTX target the compiler must emit for the kind
-TPU_VENV = "/work/venvs/tpu (.ci/accel_venvs.sh; or pip install 'd2f_jax[tpu]')"
-CUDA_VENV = "/work/venvs/cuda (.ci/accel_venvs.sh; or pip install 'd2f_jax[cuda12]' nvidia-cuda-nvcc-cu12)"
+# How to get each compiler, for the one-line refusal: the package extra, or the compile tier's venvs that
+# .ci/accel_venvs.sh builds in a checkout (ROOT/tpu, ROOT/cuda).
+TPU_INSTALL = "pip install 'd2f_jax[tpu]' (in a checkout: .ci/accel_venvs.sh ROOT, then run with ROOT/tpu/bin/python)"
+CUDA_INSTALL = ("pip install 'd2f_jax[cuda12]' nvidia-cuda-nvcc-cu12 (in a checkout: .ci/accel_venvs.sh ROOT, then run "
+                "with ROOT/cuda/bin/python)")
 
 
 class CompilerMissing(RuntimeError):
@@ -137,7 +140,7 @@ def devices(topology: Topology) -> list:
   if topology.platform == "tpu":
     if not has_libtpu():
       raise CompilerMissing(f"{topology.name} needs the TPU compiler (libtpu), which this environment lacks: "
-                            f"use the venv {TPU_VENV}")
+                            f"install it with {TPU_INSTALL}")
     if topology.chips == 1:  # single-chip slices are refused ("not divisible by chips_per_host_bounds")
       name = topology.tpu_name.rsplit(":", 1)[0] + (":2x2x1" if topology.kind in ("v4", "v5p") else ":2x2")
       return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)[:1]
@@ -145,7 +148,7 @@ def devices(topology: Topology) -> list:
   if topology.platform == "cuda":
     if not has_cuda_plugin():
       raise CompilerMissing(f"{topology.name} needs the NVIDIA compiler (jax-cuda12-plugin + nvcc), which this "
-                            f"environment lacks: use the venv {CUDA_VENV}")
+                            f"environment lacks: install it with {CUDA_INSTALL}")
     desc = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(topology.kind),
                                         topology=f"1x1x{topology.chips}")
     return list(desc.devices)

@@ -19,6 +19,7 @@ import numpy as np
 
 from d2f_jax import datasheets
 from d2f_jax.reporting import write_report
+from d2f_jax.usage import ArgumentParser
 from d2f_jax.kernels import flash_attention, window_attention, window_attention_reference
 from d2f_jax.kernels.reference import PAD_ID, attention_reference
 from d2f_jax.models.attention import attention_ids
@@ -129,15 +130,17 @@ def bench_flash(model, heads, seq, impl, dtype, iters, peak, backward, seed=0) -
 
 def main(argv: list[str] | None = None) -> list[dict]:
   on_cpu = jax.default_backend() == "cpu"
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench attention", description=__doc__.split("\n")[0])
+  p = ArgumentParser("python -m d2f_jax.bench attention", __doc__)
   p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=on_cpu,
-                 help="reduced sizes (default on CPU)")
+                 help="reduced sizes (default: on CPU only)")
   p.add_argument("--impls", default="xla,interpret_gpu,interpret_tpu" if on_cpu else "xla,pallas",
-                 help="comma-separated: xla, auto, pallas, interpret_gpu, interpret_tpu")
-  p.add_argument("--kernels", default="window,flash_fwd,flash_fwd_bwd")
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--iters", type=int, default=3 if on_cpu else 20)
-  p.add_argument("--out", default="results/bench_attention.json")
+                 help="comma-separated: xla, auto, pallas, interpret_gpu, interpret_tpu (default: "
+                      "xla,interpret_gpu,interpret_tpu on CPU, xla,pallas elsewhere)")
+  p.add_argument("--kernels", default="window,flash_fwd,flash_fwd_bwd", help="comma-separated kernels to time")
+  p.add_argument("--dtype", default="bfloat16", help="input dtype")
+  p.add_argument("--iters", type=int, default=3 if on_cpu else 20, help="timed calls per row (default: 3 on CPU, "
+                                                                      "20 elsewhere)")
+  p.add_argument("--out", default="results/bench_attention.json", help="JSON results file")
   args = p.parse_args(argv)
 
   if args.quick:

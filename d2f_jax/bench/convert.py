@@ -8,7 +8,6 @@ target ratio < 1.3.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -19,6 +18,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from d2f_jax.usage import ArgumentParser
 
 TARGET_RATIO = 1.3
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,9 +141,9 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> None:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench convert", description=__doc__.splitlines()[0])
+  p = ArgumentParser("python -m d2f_jax.bench convert", __doc__)
   p.add_argument("--size_gb", type=float, default=2.2, help="synthetic checkpoint size (>= 2 for the real run)")
-  p.add_argument("--shards", type=int, default=4)
+  p.add_argument("--shards", type=int, default=4, help="safetensors shards of the synthetic checkpoint")
   p.add_argument("--out", default="results/bench_convert.json", help="JSON results file ('' for none)")
   p.add_argument("--workdir", default=None, help="where the temporary checkpoints go (default: system temp)")
   p.add_argument("--keep", action="store_true", help="keep the temporary checkpoints")

@@ -10,7 +10,6 @@ lowered from the paper's 0.9 (`--tau_conf`). Stop tokens are off so every method
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from d2f_jax.reporting import format_table, write_report
+from d2f_jax.usage import ArgumentParser
 from d2f_jax.api import Model
 from d2f_jax.decode import DecodeConfig, generate, generate_stepwise
 from d2f_jax.models import Transformer, preset
@@ -120,30 +120,32 @@ def bench_widths(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench decode", description=__doc__.split("\n")[0])
+  p = ArgumentParser("python -m d2f_jax.bench decode", __doc__)
   p.add_argument("--family", default="micro-llada,tiny-llada",
                  help="comma-separated model presets with random weights; micro-llada is a 1-layer width-32 "
                       "LLaDA whose step costs less than the host round trip the jitted loop removes")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--prompt_len", type=int, default=32)
-  p.add_argument("--prompt_bucket", type=int, default=64)
-  p.add_argument("--max_new_tokens", type=int, default=128)
-  p.add_argument("--block_size", type=int, default=8)
+  p.add_argument("--batch", type=int, default=1, help="prompts per generate call")
+  p.add_argument("--prompt_len", type=int, default=32, help="prompt tokens")
+  p.add_argument("--prompt_bucket", type=int, default=64, help="prompt lengths padded to a multiple of this")
+  p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate")
+  p.add_argument("--block_size", type=int, default=8, help="tokens per block")
   p.add_argument("--max_blocks_in_flight", type=int, default=0, help="0: no cap (the default decoder)")
   p.add_argument("--tau_conf", type=float, default=0.5, help="lowered from 0.9 for an untrained model")
-  p.add_argument("--tau_add", type=float, default=0.1)
-  p.add_argument("--tau_act", type=float, default=0.95)
-  p.add_argument("--head_scale", type=float, default=4.0)
-  p.add_argument("--methods", default="d2f,threshold,vanilla,dream_vanilla,ar")
+  p.add_argument("--tau_add", type=float, default=0.1, help="d2f: add a block once the newest is this decoded")
+  p.add_argument("--tau_act", type=float, default=0.95, help="d2f: activate a block once its predecessor is this "
+                                                              "decoded")
+  p.add_argument("--head_scale", type=float, default=4.0, help="LM head scale, so confidences spread as a trained "
+                                                                 "model's do")
+  p.add_argument("--methods", default="d2f,threshold,vanilla,dream_vanilla,ar", help="comma-separated methods")
   p.add_argument("--host_methods", default="d2f,ar", help="methods also timed with the host-driven loop")
-  p.add_argument("--repeats", type=int, default=10)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--repeats", type=int, default=10, help="timed calls per row (the best counts)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
   p.add_argument("--width_family", default="e2e-dream",
                  help="model of the window-width table (e2e-dream: the main job's shape); '' skips the table")
   p.add_argument("--width_tau_add", default="1.0,0.75,0.5,0.25,0.0",
                  help="tau_add values of the width table: 1 keeps one block in flight, 0 appends every step")
   p.add_argument("--width_tau_conf", type=float, default=0.9, help="tau_conf of the width table (the paper's)")
-  p.add_argument("--out", default="results/bench_decode.json")
+  p.add_argument("--out", default="results/bench_decode.json", help="JSON results file")
   args = p.parse_args(argv)
 
   rows = [row for family in args.family.split(",") for row in bench_family(family, args)] if args.family else []

@@ -10,7 +10,6 @@ training; the batches are made beforehand, so input work is not timed.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -19,6 +18,7 @@ import time
 import jax
 
 from d2f_jax.reporting import write_report
+from d2f_jax.usage import ArgumentParser
 from d2f_jax.train.config import load_config_file
 from d2f_jax.train.metrics import PEAK_FLOPS, measure_matmul_flops
 from d2f_jax.train.step import compiled_train_step
@@ -64,11 +64,11 @@ def measure(arg: str, steps: int, warmup: int, peak: float, workdir: str) -> dic
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog="python -m d2f_jax.bench train", description=__doc__.split("\n")[0])
+  parser = ArgumentParser("python -m d2f_jax.bench train", __doc__)
   parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
   parser.add_argument("--variants", default=";".join(VARIANTS), help="';'-separated configs/tiny.py args")
-  parser.add_argument("--out", default=os.path.join("results", "train.json"))
+  parser.add_argument("--out", default=os.path.join("results", "train.json"), help="JSON results file")
   args = parser.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
   peak, peak_source = _peak()

@@ -1,4 +1,4 @@
-"""`python -m d2f_jax.convert`: thin argparse front end of pipeline.py.
+"""Convert LLaDA / Dream Hugging Face checkpoints (+ PEFT LoRA) to d2f_jax orbax directories, and back.
 
   HF -> converted:  --hf_dir DIR [--lora_dir DIR] [--merge_lora | --no-merge_lora] --out DIR
                     [--dtype bfloat16] [--allow_pickle] [--overwrite]
@@ -18,7 +18,8 @@ import sys
 import threading
 import time
 
-EXIT_BAD_INPUT = 2
+from d2f_jax.usage import EXIT_BAD_INPUT, ArgumentParser, UsageError, command  # noqa: F401 (EXIT_BAD_INPUT: API)
+
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process killed by SIGTERM
 
 
@@ -42,9 +43,7 @@ def _sigterm_raises():
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.convert",
-                              description="Convert LLaDA / Dream Hugging Face checkpoints (+ PEFT LoRA) to d2f_jax "
-                                          "orbax directories, and back.")
+  p = ArgumentParser("python -m d2f_jax.convert", __doc__)
   p.add_argument("--hf_dir", help="Hugging Face model directory (config.json + safetensors)")
   p.add_argument("--lora_dir", help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
   p.add_argument("--merge_lora", action=argparse.BooleanOptionalAction, default=False,
@@ -61,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+@command
 def main(argv: list[str] | None = None) -> None:
   """Run the CLI; a refused input raises SystemExit(2) after one `error:` line, SIGTERM SystemExit(143)."""
   parser = build_parser()
@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     print("error: stopped by SIGTERM; the partial output was removed", file=sys.stderr)
     raise SystemExit(EXIT_TERMINATED) from None
   except (ConvertError, OSError) as e:  # every refusal names its file / tensor / field
-    print(f"error: {one_line(e)}", file=sys.stderr)
-    raise SystemExit(EXIT_BAD_INPUT) from None
+    raise UsageError(one_line(e)) from None
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ from d2f_jax.convert import mapping
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.hf_config import check_same_shapes, hf_config_from_model
 from d2f_jax.convert.safetensors_io import TensorSpec, write_sharded
-from d2f_jax.convert.model_card import CARD_FILE, hf_card
+from d2f_jax.convert.model_card import ATTENTION_KEY, CARD_FILE, hf_card
 from d2f_jax.convert.util import as_numpy_dtype, assign, atomic_dir, copy_aux_files
 from d2f_jax.models.config import ModelConfig
 
@@ -36,7 +36,8 @@ def _load_hf_config(hf_config_json) -> dict | None:
 
 def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any], *,
               hf_config_json: dict | str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None,
-              aux_dir: str | None = None, overwrite: bool = False, progress: bool = False) -> str:
+              aux_dir: str | None = None, overwrite: bool = False, progress: bool = False,
+              base_model: str | None = None, attention: str | None = None) -> str:
   """Write `params` (our layout) as a Hugging Face checkpoint directory.
 
   params: the nested tree (numpy or jax arrays), or a function path -> array ('layers/q') that loads one
@@ -45,6 +46,9 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
     describes these shapes; default: generated in the family's format.
   dtype: tensor dtype in the files; default: each parameter's own dtype.
   aux_dir: directory whose tokenizer / side files are copied along.
+  base_model: the checkpoint these weights were trained or converted from, for the model card.
+  attention: how the model was trained to attend ('causal', 'bidirectional', 'block_causal'), written to
+    config.json (ATTENTION_KEY; default: keep what hf_config_json says) and the card.
   """
   shapes = mapping.param_shapes(config)
   if callable(params):
@@ -79,6 +83,8 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
   specs = [TensorSpec(e.hf, file_dtype[e.path], e.hf_shape) for e in entries.values()]
   if hf_cfg is None:
     hf_cfg = hf_config_from_model(config, dtype=file_dtype["embedding"].name)
+  if attention is not None:
+    hf_cfg = {**hf_cfg, ATTENTION_KEY: attention}
 
   def produce(spec: TensorSpec) -> np.ndarray:
     entry = entries[spec.name]
@@ -99,5 +105,5 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
       f.write("\n")
     copy_aux_files(aux_dir, tmp)
     with open(os.path.join(tmp, CARD_FILE), "w") as f:
-      f.write(hf_card(config, os.fspath(aux_dir) if aux_dir else None, hf_cfg.get("d2f_attention")))
+      f.write(hf_card(config, os.fspath(base_model) if base_model else None, hf_cfg.get(ATTENTION_KEY)))
   return os.fspath(out_dir)

@@ -8,8 +8,28 @@ from d2f_jax.convert.mapping import lora_shapes, param_shapes
 from d2f_jax.models import LoraConfig, ModelConfig
 
 CARD_FILE = "README.md"
+# config.json key naming how a model was trained to attend: 'causal', 'bidirectional' or 'block_causal'
+# (an extra key transformers ignores; decode.config.check_method_fits refuses a method that does not fit it).
+ATTENTION_KEY = "d2f_attention"
 _READS = {"llada": "GSAI-ML/LLaDA-8B-Instruct (model_type 'llada')",
           "dream": "Dream-org/Dream-v0-Base-7B (model_type 'Dream')"}
+_ATTENDS = {"bidirectional": "bidirectionally (a masked-diffusion model: every position sees every other)",
+            "block_causal": "block-causally (a D2F student: a block sees itself and the blocks before it)",
+            "causal": "causally (an autoregressive model)"}
+# What transformers can really do with the files (tests/test_model_card.py loads the Dream layout; the LLaDA
+# renaming is tests/test_hf_parity.py's): the families' own modeling code is remote code, not shipped here.
+_TRANSFORMERS = {
+    "dream": "The tensors carry Qwen2's names: `transformers.Qwen2ForCausalLM.from_pretrained(this_dir, "
+             "config=Qwen2Config(...))`, with this config.json's sizes, `rope_theta` and `rms_norm_eps`, loads "
+             "them (Qwen2 attends causally unless given another mask). `AutoModel` with `trust_remote_code=True` "
+             "needs Dream's `configuration_dream.py` / `modeling_dream.py` (config.json `auto_map`), which are "
+             "not shipped here: copy them from Dream-org/Dream-v0-Base-7B.",
+    "llada": "The network is Llama's, but the tensors carry LLaDA's names (`model.transformer.blocks.N.q_proj`, "
+             "...): `transformers.LlamaForCausalLM` computes the same logits only once they are renamed to "
+             "Llama's. `AutoModel` with `trust_remote_code=True` needs LLaDA's `configuration_llada.py` / "
+             "`modeling_llada.py` (config.json `auto_map`), which are not shipped here: copy them from "
+             "GSAI-ML/LLaDA-8B-Instruct.",
+}
 
 
 def _front_matter(**fields) -> str:
@@ -64,15 +84,21 @@ def converted_card(config: ModelConfig, lora: LoraConfig | None, source: str | N
 
 
 def hf_card(config: ModelConfig, base: str | None, attention: str | None = None) -> str:
-  """The card of an exported Hugging Face checkpoint (LLaDA / Dream file layout)."""
-  attends = f" It was trained to attend `{attention}` (config.json `d2f_attention`)." if attention else ""
+  """The card of an exported Hugging Face checkpoint (LLaDA / Dream file layout). base: the model it was
+  trained or converted from; attention: config.json's ATTENTION_KEY (None: not recorded)."""
+  attends = (f"Trained to attend {_ATTENDS.get(attention, repr(attention))} (config.json `{ATTENTION_KEY}`)."
+             if attention else f"How it was trained to attend is not recorded (no config.json `{ATTENTION_KEY}`).")
   return "\n".join([
       _front_matter(library_name="d2f_jax", base_model=base, tags=["d2f", config.family, "diffusion-llm"]),
       f"# {config.family} checkpoint written by d2f_jax",
       "",
       f"{_shape_line(config)}, in the file layout of {_READS.get(config.family, config.family)}: "
-      f"`config.json` + safetensors, loadable by d2f_jax (`d2f_jax.load_model(dir)`) and by the family's own "
-      f"Hugging Face code.{attends}",
+      f"`config.json` + safetensors. {attends}",
+      "",
+      f"Fine-tuned or converted from `{base}`." if base else "Not derived from a named base checkpoint.",
+      "",
+      "Load it with d2f_jax: `d2f_jax.load_model(this_dir)`, then `model.generate(text)`. "
+      + _TRANSFORMERS.get(config.family, ""),
       "",
   ])
 

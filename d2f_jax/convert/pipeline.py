@@ -65,7 +65,8 @@ def export_converted(converted_dir, out_dir=None, *, lora_out=None, dtype=None,
     loader = LeafLoader(os.path.join(converted_dir, "params"))
     written["hf"] = export_hf(out_dir, config, loader, hf_config_json=meta.get("hf_config"),
                               max_shard_bytes=max_shard_bytes, dtype=dtype, aux_dir=converted_dir,
-                              overwrite=overwrite, progress=progress)
+                              overwrite=overwrite, progress=progress,
+                              base_model=(meta.get("source") or {}).get("hf_dir"))
   if lora_out is not None:
     lora_params = restore_tree(os.path.join(converted_dir, "lora"), lora_shapes(config, lora_cfg))
     base_name = (meta.get("source") or {}).get("lora_base_model_name_or_path")

@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from d2f_jax.convert.model_card import ATTENTION_KEY  # config.json: how a model was trained to attend
 from d2f_jax.models import ModelConfig
 
 Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
@@ -24,8 +25,6 @@ DreamAlg = Literal["confidence", "entropy", "margin"]
 DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
 MAX_STOP_TOKENS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
 DIFFUSION_METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla")
-# config.json key naming how a model was trained to attend: 'causal', 'bidirectional' or 'block_causal'.
-ATTENTION_KEY = "d2f_attention"
 
 
 @dataclasses.dataclass(frozen=True)

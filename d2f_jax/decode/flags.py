@@ -1,9 +1,10 @@
-"""The flags every decoding command line shares (generate, evaluate): the DecodeConfig they build, and where
-the decode runs (--attention, --mesh, --distributed)."""
+"""The flags every decoding command line shares (generate, evaluate): the model to load, the DecodeConfig
+they build, and where the decode runs (--attention, --mesh, --distributed)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig
 from d2f_jax.usage import UsageError
@@ -11,19 +12,50 @@ from d2f_jax.usage import UsageError
 _DEFAULTS = DecodeConfig()
 
 
+def add_model_flags(parser) -> None:
+  """Add --model, --lora_dir (the name convert uses; --lora is a hidden alias) and --dtype."""
+  parser.add_argument("--model", required=True, help="HF or converted model directory, or a Hub id in the local cache")
+  parser.add_argument("--lora_dir", default=None, help="PEFT adapter directory merged into the model (a D2F student)")
+  parser.add_argument("--lora", dest="lora_dir", help=argparse.SUPPRESS)
+  parser.add_argument("--dtype", default=None,
+                      help="compute / storage dtype, e.g. bfloat16 or float32 (default: the checkpoint's)")
+
+
+def check_model_flags(args: argparse.Namespace) -> None:
+  """Read --model's config.json / d2f_model.json and find --lora_dir before anything slow: a path that is
+  not there or holds no readable model is a UsageError naming it. (A Hub id is left to the loader.)"""
+  from d2f_jax.convert import read_model_config, resolve_model_dir
+  from d2f_jax.convert.errors import ConvertError
+  from d2f_jax.convert.source import HUB_ID
+  if os.path.exists(args.model) or not HUB_ID.match(args.model) or args.model.startswith((".", "~")):
+    try:
+      read_model_config(resolve_model_dir(args.model, what="--model"))
+    except (ConvertError, OSError) as e:  # names --model or the file
+      raise UsageError(str(e)) from None
+  if args.lora_dir is not None and not os.path.isfile(os.path.join(args.lora_dir, "adapter_config.json")):
+    raise UsageError(f"--lora_dir {args.lora_dir!r} is not a PEFT adapter directory (no adapter_config.json)")
+
+
 def add_decode_flags(parser) -> None:
   """Add --method, --block_size, thresholds, sampling, steps, alg, --prompt_bucket and --stop_tokens."""
-  parser.add_argument("--method", default=_DEFAULTS.method, choices=METHODS)
-  parser.add_argument("--block_size", type=int, default=_DEFAULTS.block_size)
-  parser.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens)
-  parser.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight)
-  parser.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add)
-  parser.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act)
-  parser.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf)
-  parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature)
-  parser.add_argument("--top_p", type=float, default=_DEFAULTS.top_p)
+  parser.add_argument("--method", default=_DEFAULTS.method, choices=METHODS,
+                      help="d2f: pipelined blocks with a KV cache; threshold: one block in flight; vanilla: LLaDA "
+                           "low-confidence remasking; dream_vanilla: Dream's ordering by --alg; ar: causal decoding")
+  parser.add_argument("--block_size", type=int, default=_DEFAULTS.block_size,
+                      help="tokens per block; --max_new_tokens must be a multiple of it")
+  parser.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens, help="tokens to generate")
+  parser.add_argument("--max_blocks_in_flight", type=int, default=_DEFAULTS.max_blocks_in_flight,
+                      help="d2f: cap on the blocks decoding at once (None: no cap, the paper's loop)")
+  parser.add_argument("--tau_add", type=float, default=_DEFAULTS.tau_add,
+                      help="d2f: add the next block once the newest is this fraction decoded")
+  parser.add_argument("--tau_act", type=float, default=_DEFAULTS.tau_act,
+                      help="d2f: a new block becomes fully active once its predecessor is this fraction decoded")
+  parser.add_argument("--tau_conf", type=float, default=_DEFAULTS.tau_conf,
+                      help="d2f / threshold: unmask the tokens whose confidence exceeds this")
+  parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature, help="0: greedy")
+  parser.add_argument("--top_p", type=float, default=_DEFAULTS.top_p, help="nucleus sampling mass (1: off)")
   parser.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
-  parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS)
+  parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
   parser.add_argument("--memory_budget_gib", type=float, default=None,

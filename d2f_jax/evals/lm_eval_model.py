@@ -127,19 +127,26 @@ class D2FJaxLM(LM):
     return out
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """One continuation per request; requests with equal settings are batched `batch_size` at a time."""
+    """One continuation per request; requests with equal settings are batched `batch_size` at a time. A
+    progress bar on stderr (process 0; off with disable_tqdm, which lm-eval passes) shows a long run alive."""
+    import jax
+    from tqdm.auto import tqdm
+
     settings = [self._settings(r.args[1] if len(r.args) > 1 else {}) for r in requests]
     prompts = [self._encode(r.args[0]) for r in requests]
     outputs: list[str | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     for i, (config, until, limit) in enumerate(settings):
       groups.setdefault((config, tuple(until), limit), []).append(i)
-    for (config, until, limit), rows in groups.items():
-      for start in range(0, len(rows), self.batch_size):
-        chunk = rows[start:start + self.batch_size]
-        for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], config, limit)):
-          outputs[i] = cut_at_stops(text, list(until))
-          self.cache_hook.add_partial("generate_until", requests[i].args, outputs[i])
+    with tqdm(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
+              disable=disable_tqdm or jax.process_index() != 0) as bar:
+      for (config, until, limit), rows in groups.items():
+        for start in range(0, len(rows), self.batch_size):
+          chunk = rows[start:start + self.batch_size]
+          for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], config, limit)):
+            outputs[i] = cut_at_stops(text, list(until))
+            self.cache_hook.add_partial("generate_until", requests[i].args, outputs[i])
+          bar.update(len(chunk))
     return outputs
 
   # --- internals -----------------------------------------------------------------------------------

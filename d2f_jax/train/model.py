@@ -166,12 +166,12 @@ def gather_to_host(tree) -> Any:
 
 
 def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_dir: str | None = None,
-                   aux_dir: str | None = None) -> str | None:
+                   aux_dir: str | None = None, attention: str | None = None) -> str | None:
   """The trained student in the PyTorch ecosystem's format: a PEFT adapter directory (LoRA) or a Hugging Face
   checkpoint in the base's dtype with its tokenizer (full fine-tune; the tokenizer and side files come from
   `aux_dir`, default `base_dir`; with no base the config.json is generated in the family's format, so a
-  randomly initialised 'llada' / 'dream' model exports like a released one). All processes gather, process 0
-  writes."""
+  randomly initialised 'llada' / 'dream' model exports like a released one; `attention`, how the objective
+  trained it to attend, goes into config.json and the card). All processes gather, process 0 writes."""
   host = gather_to_host(trainable)
   if jax.process_index() != 0:
     return None
@@ -181,4 +181,4 @@ def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_d
   hf_config = os.path.join(base_dir, "config.json") if base_dir else None
   return convert.export_hf(out_dir, models.config, host, dtype=models.config.param_dtype, aux_dir=aux_dir or base_dir,
                            hf_config_json=hf_config if hf_config and os.path.isfile(hf_config) else None,
-                           overwrite=True)
+                           overwrite=True, base_model=base_dir, attention=attention)

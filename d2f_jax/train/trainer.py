@@ -188,7 +188,7 @@ class Trainer:
     a Hugging Face checkpoint (default <workdir>/hf) with the tokenizer of data.tokenizer / the base."""
     out_dir = out_dir or os.path.join(self.workdir, "adapter" if self.models.lora else "hf")
     return export_student(out_dir, self.models, self.state.params, base_dir=self.model_path,
-                          aux_dir=self.tokenizer_dir)
+                          aux_dir=self.tokenizer_dir, attention=objectives.get(self.config.objective).attention)
 
   def run(self, num_steps: int | None = None) -> list[dict]:
     """Train to config.total_steps (or only `num_steps` more, without the final save: a simulated crash).

@@ -4,7 +4,7 @@ and AR decode loops with the Pallas window kernel, for both families at --quick 
 and 8xh100 (CUDA plugin). Each report must say the program compiled and fits; the compiler's dump must show the
 project's kernels inside each sharded program (Mosaic custom calls on TPU, sm_90a PTX entries on H100).
 
-Also: a real target whose compiler is not in this venv exits 2 naming the venv that has it, never compiling on a
+Also: a real target whose compiler is not in this venv exits 2 saying how to install it, never compiling on a
 CPU stand-in (the CPU venv's version of this is tests/test_aot.py), and D2F_ACCEL_REQUIRED=1 turns a missing
 compiler into a failure (the guard of .ci/run, so the tier cannot pass by skipping).
 """
@@ -43,16 +43,18 @@ def _mesh(text):
                                     for t, spec in TARGETS.items()])
 def test_train_and_decode_compile_and_fit_with_pallas_kernels(target, tmp_path):
   _, platform, n_devices, device_kind, mesh, ptx_target = TARGETS[target]
-  dump, out = tmp_path / "dump", tmp_path / "aot.json"
-  args = ["--target", target, "--quick", "--mesh", mesh, "--batch", "2", "--json", str(out)]
-  for config in CONFIGS:
-    args += ["--config", config]
-  for program in PROGRAMS:
-    args += ["--program", program]
-  proc = _aot(args, {"XLA_FLAGS": f"--xla_dump_to={dump}"})
-  log = proc.stdout[-4000:] + proc.stderr[-4000:]
-  assert proc.returncode == 0, log
-  results = json.loads(out.read_text())["results"]
+  results, stdout, dumps = [], "", []
+  for i, config in enumerate(CONFIGS):  # one --config per run, each with its own dump (module ids restart)
+    out, dump = tmp_path / f"aot{i}.json", tmp_path / f"dump{i}"
+    args = ["--target", target, "--quick", "--mesh", mesh, "--batch", "2", "--json", str(out), "--config", config]
+    for program in PROGRAMS:
+      args += ["--program", program]
+    proc = _aot(args, {"XLA_FLAGS": f"--xla_dump_to={dump}"})
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    results += json.loads(out.read_text())["results"]
+    stdout += proc.stdout
+    dumps += [(dump, module) for module in device_modules(dump, platform)]
   assert [(r["model"], r["program"]) for r in results] == [
       (m, p) for m in ("tiny-llada", "tiny-dream") for p in PROGRAMS], log
   for r in results:
@@ -67,32 +69,32 @@ def test_train_and_decode_compile_and_fit_with_pallas_kernels(target, tmp_path):
       assert r["mesh"] == _mesh(mesh) and r["compiled"]["aliased"] > 0, r  # the state is donated
     else:
       assert r["shape"]["rows_compiled"] % r["mesh"]["data"] == 0, r
-  assert proc.stdout.count(": fits;") == len(results), proc.stdout[-4000:]
+  assert stdout.count(": fits;") == len(results), stdout[-4000:]
 
-  modules = device_modules(dump, platform)
-  assert len(modules) == len(results), f"{len(results)} programs but accelerator modules {modules}"
-  for (module_id, name), r in zip(modules, results):
+  assert len(dumps) == len(results), f"{len(results)} programs but accelerator modules {dumps}"
+  for (dump, (module_id, name)), r in zip(dumps, results):
     kernels, targets = module_kernels(dump, platform, module_id)
     want = FLASH_KERNELS if r["program"] == "train" else WINDOW_KERNELS
     assert kernels == want, f"{r['model']} {r['program']} (module {module_id} {name}): kernels {sorted(kernels)}"
     if ptx_target:
       assert targets == {ptx_target}, f"{r['model']} {r['program']}: PTX targets {sorted(targets)}"
-  shutil.rmtree(dump)  # tens of MB per target
+  for dump in {d for d, _ in dumps}:
+    shutil.rmtree(dump)  # tens of MB per target
 
 
-@pytest.mark.parametrize("target,venv,marker", [
-    pytest.param("8xh100", "/work/venvs/cuda", "cuda", marks=pytest.mark.tpu),
-    pytest.param("a100", "/work/venvs/cuda", "cuda", marks=pytest.mark.tpu),
-    pytest.param("v5e-8", "/work/venvs/tpu", "tpu", marks=pytest.mark.cuda),
-    pytest.param("v5p-8", "/work/venvs/tpu", "tpu", marks=pytest.mark.cuda),
+@pytest.mark.parametrize("target,install,marker", [
+    pytest.param("8xh100", "d2f_jax[cuda12]", "cuda", marks=pytest.mark.tpu),
+    pytest.param("a100", "d2f_jax[cuda12]", "cuda", marks=pytest.mark.tpu),
+    pytest.param("v5e-8", "d2f_jax[tpu]", "tpu", marks=pytest.mark.cuda),
+    pytest.param("v5p-8", "d2f_jax[tpu]", "tpu", marks=pytest.mark.cuda),
 ])
-def test_a_target_whose_compiler_is_in_the_other_venv_exits_2(target, venv, marker):
+def test_a_target_whose_compiler_is_in_the_other_venv_exits_2(target, install, marker):
   if has_compiler(marker):
     pytest.skip(f"this venv has the {marker} compiler too")  # not the case in either venv of .ci/accel_venvs.sh
   proc = _aot(["--target", target, "--config", "configs/llada_8b.py", "--program", "d2f_decode"], timeout=120)
   assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
   error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-  assert len(error) == 1 and venv in error[0], proc.stderr[-2000:]
+  assert len(error) == 1 and install in error[0], proc.stderr[-2000:]
   assert "lowered" not in proc.stdout and "compiled" not in proc.stdout  # nothing ran on a stand-in
 
 
