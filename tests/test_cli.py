@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = ("convert", "decode", "train", "attention")
+from d2f_jax.bench import BENCHMARKS as BENCHES
 HELP = [("d2f_jax.main", []), ("d2f_jax.distill", []), ("d2f_jax.generate", []), ("d2f_jax.evaluate", []),
         ("d2f_jax.convert", []), ("d2f_jax.aot", []), ("d2f_jax.bench", [])] + [("d2f_jax.bench", [b]) for b in BENCHES]
 
@@ -51,6 +51,8 @@ def bad_cases(tmp):
       ("d2f_jax.bench", ["decode", "--batch", "x"], "--batch: invalid int value"),
       ("d2f_jax.bench", ["train", "--nope"], "unrecognized arguments: --nope"),
       ("d2f_jax.bench", ["convert", "--shards", "x"], "--shards: invalid int value"),
+      ("d2f_jax.bench", ["serve", "--slots", "0"], "expected positive slot counts"),
+      ("d2f_jax.bench", ["serve", "--workdir", "/nonexistent/w"], "no trained D2F student in /nonexistent/w"),
   ]
 
 

@@ -20,6 +20,7 @@ import time
 import jax
 
 from d2f_jax.reporting import write_report
+from d2f_jax.usage import ArgumentParser, UsageError
 
 DEFAULT_WORKDIR = os.path.join("workdir", "tiny_e2e")
 
@@ -30,7 +31,7 @@ def load_student(workdir: str):
   from d2f_jax import config_files
   path = os.path.join(workdir, "student", "hf")
   if not os.path.isfile(os.path.join(path, "config.json")):
-    raise SystemExit(f"error: no trained D2F student in {path}: run `python -m d2f_jax.main --workdir {workdir}` "
+    raise UsageError(f"no trained D2F student in {path}: run `python -m d2f_jax.main --workdir {workdir}` "
                      "first (about 12 minutes on 2 CPU cores), or pass --workdir")
   spec = importlib.util.spec_from_file_location("tiny_e2e", config_files.resolve("configs/tiny_e2e.py"))
   module = importlib.util.module_from_spec(spec)
@@ -72,11 +73,20 @@ def engine_run(model, prompts, config, slots: int, steps_per_call: int) -> tuple
   return [c.tokens for c in done], time.perf_counter() - start, engine.advance_calls - calls
 
 
+def _sizes(text: str) -> list[int]:
+  try:
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated slot counts, got {text!r}") from None
+  if not sizes or min(sizes) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive slot counts, got {text!r}")
+  return sizes
+
+
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench serve", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = ArgumentParser("python -m d2f_jax.bench serve", __doc__)
   p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="the main job's workdir (its student/hf is served)")
-  p.add_argument("--slots", default="8,32", help="engine slots = static batch sizes, comma-separated")
+  p.add_argument("--slots", type=_sizes, default="8,32", help="engine slots = static batch sizes, comma-separated")
   p.add_argument("--limit", type=int, default=256, help="held-out problems")
   p.add_argument("--steps_per_call", type=int, default=4, help="engine D2F steps per device call")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
@@ -93,7 +103,7 @@ def main(argv: list[str]) -> None:
   config = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens,
                         tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=64)
   rows = []
-  for slots in [int(s) for s in args.slots.split(",") if s.strip()]:
+  for slots in args.slots:
     want, static_s, batches = static_batches(model, prompts, config, slots)
     got, engine_s, calls = engine_run(model, prompts, config, slots, args.steps_per_call)
     generated = sum(map(len, want))
@@ -108,7 +118,7 @@ def main(argv: list[str]) -> None:
     extra["load"] = serve_load.run(os.path.join(args.workdir, "student", "hf"), prompts, config)
   write_report(args.json, "serve", rows, **extra)
   if not all(r["identical"] for r in rows):
-    raise SystemExit("error: the engine's outputs differ from generate's (see 'identical' above)")
+    raise SystemExit("the engine's outputs differ from generate's (see 'identical' above)")
 
 
 if __name__ == "__main__":
