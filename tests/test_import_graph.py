@@ -18,6 +18,7 @@ FLOORS = (
     ("convert",),
     ("decode",),
     ("api",),
+    ("serve",),
     ("train",),
     ("evals",),
     ("bench", "e2e", "aot"),
