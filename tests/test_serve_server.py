@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 import d2f_jax
 from d2f_jax.convert import synthetic
 from d2f_jax.models import TINY_DREAM
-from d2f_jax.serve import Event
+from d2f_jax.serve import EngineStopped, Event, QueueFull
 from d2f_jax.serve.protocol import Plan
 from d2f_jax.serve.server import _Inbox, answer
 
@@ -221,11 +221,30 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(served):
 
 
 class _FakeEngine:
-  def __init__(self):
-    self.cancelled = []
+  """No device: records cancellations; `refuse` is what submit raises."""
+
+  def __init__(self, refuse=None):
+    self.cancelled, self.refuse, self.slots, self.queue = [], refuse, [None], []
+    self.config = types.SimpleNamespace(slots=1, block_size=4, max_new_tokens=16, max_prompt_len=32)
+
+  def submit(self, *args, **kwargs):
+    raise self.refuse
 
   def cancel(self, request_id):
     self.cancelled.append(request_id)
+
+
+def test_a_full_queue_is_429_and_a_stopping_engine_503():
+  from d2f_jax.serve.server import create_app
+  model = types.SimpleNamespace(config=TINY_DREAM, tokenizer=None)
+  for refuse, status in ((QueueFull("9 waiting"), 429), (EngineStopped("shutting down"), 503)):
+    app = create_app(_FakeEngine(refuse), model, "tiny")
+
+    async def post():
+      async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await client.post("/v1/completions", json={"prompt": [1, 2]})
+    response = asyncio.run(post())
+    assert response.status_code == status and response.json()["error"]["code"] == status
 
 
 class _Words:
