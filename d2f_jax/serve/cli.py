@@ -1,0 +1,159 @@
+"""`python -m d2f_jax.serve --model PATH_OR_HUB_ID`: load a model, warm the engine up, serve the OpenAI API.
+
+Warm-up runs one short request per prompt bucket (and one cancellation) through the engine before the port
+opens, so the first real request pays no compile and /health answers only once serving is fast.
+SIGTERM (or Ctrl-C) drains: /health and new requests get 503 at once, queued and decoding requests finish
+within --grace_s (the rest are cancelled, finish_reason 'abort'), their responses go out, and the process
+exits 0. A second signal exits without waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+
+from d2f_jax.decode.flags import add_device_flags, setup_devices
+from d2f_jax.usage import UsageError
+
+log = logging.getLogger("d2f_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m d2f_jax.serve", description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--model", required=True, help="HF or converted model directory, or a Hub id (local cache)")
+  p.add_argument("--lora", default=None, help="PEFT adapter directory merged into the model (a D2F student)")
+  p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16; None keeps the checkpoint's")
+  p.add_argument("--served_model_name", default=None, help="the name clients send as `model`; None: the --model value")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (localhost only by default)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on")
+  p.add_argument("--slots", type=int, default=32, help="requests decoded at once")
+  p.add_argument("--block_size", type=int, default=32, help="D2F block size, fixed per server")
+  p.add_argument("--max_new_tokens", type=int, default=256, help="the most tokens a request may ask for")
+  p.add_argument("--max_prompt_len", type=int, default=512, help="longer prompts are refused (400)")
+  p.add_argument("--prompt_bucket", type=int, default=64, help="prefill widths are multiples of this")
+  p.add_argument("--steps_per_call", type=int, default=8, help="D2F steps per device call")
+  p.add_argument("--queue_size", type=int, default=1024, help="waiting requests beyond the slots (more: 429)")
+  p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
+  p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
+  p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
+                 help="log verbosity")
+  add_device_flags(p)
+  return p
+
+
+def _engine_config(args):
+  from d2f_jax.serve import EngineConfig
+  try:
+    return EngineConfig(slots=args.slots, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+                        max_prompt_len=args.max_prompt_len, prompt_bucket=min(args.prompt_bucket,
+                                                                              max(args.max_prompt_len, 1)),
+                        steps_per_call=args.steps_per_call, queue_size=args.queue_size, sampling=args.sampling)
+  except ValueError as e:
+    raise UsageError(str(e).replace("EngineConfig.", "--")) from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+  sock.set_inheritable(True)
+  return sock
+
+
+def warm_up(engine) -> float:
+  """Compile every program serving uses (an insert per prompt bucket, advance, a release); seconds taken."""
+  from d2f_jax.serve import RequestSettings
+  cfg, start = engine.config, time.perf_counter()
+  lengths = sorted({min(b, cfg.max_prompt_len) for b in range(cfg.prompt_bucket, cfg.prompt_width + 1,
+                                                                  cfg.prompt_bucket)})
+  short = RequestSettings(max_new_tokens=cfg.block_size)
+  engine.complete([[0] * n for n in lengths], short)
+  cancelled = engine.submit([0], RequestSettings())
+  engine.round()
+  engine.cancel(cancelled)
+  engine.run_until_idle()
+  return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+  log.addHandler(handler)
+  log.setLevel(args.log_level.upper())
+  log.propagate = False
+  config = _engine_config(args)
+  if not 0 < args.port < 65536:
+    raise UsageError(f"--port must lie in 1..65535, got {args.port}")
+  if args.grace_s < 0:
+    raise UsageError(f"--grace_s must be >= 0, got {args.grace_s}")
+  try:
+    import uvicorn
+
+    from d2f_jax.serve.server import create_app
+  except ImportError as e:
+    raise UsageError(f"serving needs FastAPI and uvicorn: pip install 'd2f_jax[serve]' ({e})") from None
+  sock = _bind(args.host, args.port)  # before the slow part: a taken port fails at once
+  mesh = setup_devices(args, local=True)
+  import jax
+
+  from d2f_jax.api import load_model
+  from d2f_jax.decode.limits import DecodeInputError
+  from d2f_jax.serve import Engine
+  if jax.process_count() > 1:
+    raise UsageError("the server runs in one process; use --mesh over this process's devices")
+  try:
+    model = load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"--model {args.model}: {e}") from None
+  try:
+    engine = Engine(model, config)
+  except (DecodeInputError, ValueError) as e:
+    raise UsageError(f"the engine does not fit {args.model}: {e}") from None
+  log.info("compiling the engine's programs (%d slots, prompt buckets of %d up to %d)...", config.slots,
+           config.prompt_bucket, config.prompt_width)
+  log.info("warm-up (compiles) took %.1f s", warm_up(engine))
+  engine.start()
+  name = args.served_model_name or args.model
+  app = create_app(engine, model, name)
+  uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                  timeout_graceful_shutdown=int(args.grace_s) + 5)
+  server = _make_draining_server()(uvicorn_config, app, engine, args.grace_s)
+  log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+  server.run(sockets=[sock])
+  return 0
+
+
+def _make_draining_server():
+  import uvicorn
+
+  class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM / SIGINT drains the engine before uvicorn's own shutdown (which
+    then lets the open responses finish), and whose exit status stays 0 (uvicorn re-raises the signal)."""
+
+    def __init__(self, config, app, engine, grace_s: float):
+      super().__init__(config)
+      self.app, self.engine, self.grace_s, self.draining = app, engine, grace_s, False
+
+    def handle_exit(self, sig, frame) -> None:
+      if self.draining:  # a second signal: stop now
+        self.should_exit = self.force_exit = True
+        return
+      self.draining = self.app.state.draining = True
+      log.info("signal %d: draining (grace %.0f s)", sig, self.grace_s)
+      threading.Thread(target=self._drain, name="d2f-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+      self.engine.shutdown(self.grace_s)
+      log.info("engine stopped; closing the server")
+      self.should_exit = True
+
+  return DrainingServer
