@@ -128,3 +128,24 @@ def test_an_ar_engine_decodes_every_request_as_alone():
   with pytest.raises(RequestError) as error:
     engine.submit([1, 2], RequestSettings(method="d2f"))
   assert error.value.field == "method"
+
+
+def test_a_failing_engine_ends_every_request_and_says_why(monkeypatch):
+  """A round that raises on the engine thread ends queued and decoding requests with finish_reason 'error'
+  (nothing is left waiting), load() reports the failure and new requests are refused."""
+  from d2f_jax.serve import EngineStopped, programs
+  engine = Engine(sharp_model("llada"), ENGINE)
+  assert engine.warm_up() > 0 and not engine.busy and engine.load()["free_slots"] == ENGINE.slots
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("device lost")
+  monkeypatch.setattr(programs, "advance", broken)
+  finished = []
+  for prompt in PROMPTS:
+    engine.submit(prompt, RequestSettings(), lambda e: e.finished and finished.append(e.finish_reason))
+  engine.start()
+  engine._thread.join(timeout=600)
+  assert finished == ["error"] * len(PROMPTS)
+  assert engine.load()["error"] == "RuntimeError: device lost" and not engine.load()["admitting"]
+  with pytest.raises(EngineStopped, match="device lost"):
+    engine.submit(PROMPTS[0])

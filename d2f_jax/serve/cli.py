@@ -13,7 +13,6 @@ import argparse
 import logging
 import socket
 import threading
-import time
 
 from d2f_jax.decode.flags import add_device_flags, setup_devices
 from d2f_jax.usage import UsageError
@@ -68,21 +67,6 @@ def _bind(host: str, port: int) -> socket.socket:
   return sock
 
 
-def warm_up(engine) -> float:
-  """Compile every program serving uses (an insert per prompt bucket, advance, a release); seconds taken."""
-  from d2f_jax.serve import RequestSettings
-  cfg, start = engine.config, time.perf_counter()
-  lengths = sorted({min(b, cfg.max_prompt_len) for b in range(cfg.prompt_bucket, cfg.prompt_width + 1,
-                                                                  cfg.prompt_bucket)})
-  short = RequestSettings(max_new_tokens=cfg.block_size)
-  engine.complete([[0] * n for n in lengths], short)
-  cancelled = engine.submit([0], RequestSettings())
-  engine.round()
-  engine.cancel(cancelled)
-  engine.run_until_idle()
-  return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   handler = logging.StreamHandler()
@@ -120,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     raise UsageError(f"the engine does not fit {args.model}: {e}") from None
   log.info("compiling the engine's programs (%d slots, prompt buckets of %d up to %d)...", config.slots,
            config.prompt_bucket, config.prompt_width)
-  log.info("warm-up (compiles) took %.1f s", warm_up(engine))
+  log.info("warm-up (compiles) took %.1f s", engine.warm_up())
   engine.start()
   name = args.served_model_name or args.model
   app = create_app(engine, model, name)

@@ -28,6 +28,7 @@ import numpy as np
 from d2f_jax.decode import limits
 from d2f_jax.decode.config import DecodeConfig, check_method_fits, model_attention, resolve
 from d2f_jax.serve import programs
+from d2f_jax.serve.background import BackgroundLoop
 from d2f_jax.serve.requests import Request, check_prompt, completion, request_knobs, settled_ids
 from d2f_jax.serve.types import (ENGINE_METHODS, Completion, EngineStopped, Event, EventCallback, QueueFull,
                                  RequestSettings)
@@ -66,7 +67,7 @@ class EngineConfig:
     return -(-self.max_prompt_len // self.prompt_bucket) * self.prompt_bucket
 
 
-class Engine:
+class Engine(BackgroundLoop):
   """Slots, a queue and the loop that keeps the slots full. `model`: a d2f_jax.Model (optionally `shard`ed)."""
 
   def __init__(self, model, config: EngineConfig = EngineConfig()):
@@ -90,6 +91,7 @@ class Engine:
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
     self._admitting = True
+    self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')
     self._thread: threading.Thread | None = None
     self._key = jax.random.key(0)
 
@@ -104,6 +106,8 @@ class Engine:
                                     block_size=self.config.block_size,
                                     bound=self.config.max_new_tokens, sampling=self.config.sampling)
     with self._lock:
+      if self.error is not None:
+        raise EngineStopped(f"the engine failed and admits no requests: {self.error}")
       if not self._admitting:
         raise EngineStopped("the engine is shutting down and admits no new requests")
       if len(self.queue) >= self.config.queue_size:
@@ -124,6 +128,33 @@ class Engine:
   @property
   def busy(self) -> bool:
     return bool(self.queue) or any(r is not None for r in self.slots)
+
+  def load(self) -> dict:
+    """A consistent snapshot for health checks: slots, free slots, queued requests, and the failure if any."""
+    with self._lock:
+      busy = sum(r is not None for r in self.slots)
+      return {"slots": self.config.slots, "free_slots": self.config.slots - busy, "queued": len(self.queue),
+              "admitting": self._admitting and self.error is None, "error": self.error}
+
+  def warm_up(self) -> float:
+    """Compile every program serving runs (an insert per prompt bucket, advance, release, readout) on slot 0,
+    then free it; seconds taken. Call before serving so no request pays a compile."""
+    if self.busy:
+      raise RuntimeError("warm_up() needs an idle engine")
+    start = time.perf_counter()
+    _, knobs, _ = request_knobs(RequestSettings(), model_config=self.model.config, engine_method=self.config.method,
+                                block_size=self.config.block_size, bound=self.config.max_new_tokens,
+                                sampling=self.config.sampling)
+    for width in range(self.config.prompt_bucket, self.config.prompt_width + 1, self.config.prompt_bucket):
+      prompt = np.full((1, width), self.model.config.pad_token_id, np.int32)
+      self.state, self.knobs = programs.insert(
+          self.model.graphdef, self.model.state, self.state, self.knobs, np.int32(0), prompt,
+          np.ones((1,), np.int32), knobs, self._key, spec=self.spec, layout=self.layout)
+      self.state = programs.release(self.state, np.int32(0))
+    self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
+                                  steps=self.config.steps_per_call, layout=self.layout)
+    jax.block_until_ready(programs.readout(self.state, spec=self.spec))
+    return time.perf_counter() - start
 
   # --- the loop -------------------------------------------------------------------------------------------
 
@@ -219,36 +250,3 @@ class Engine:
       self.submit(prompt, s, on_event(i))
     self.run_until_idle()
     return [done[i] for i in range(len(prompts))]
-
-  # --- a background thread (the server's) ---------------------------------------------------------------------
-
-  def start(self) -> None:
-    if self._thread is None:
-      self._thread = threading.Thread(target=self._serve, name="d2f-engine", daemon=True)
-      self._thread.start()
-
-  def _serve(self) -> None:
-    while True:
-      with self._lock:
-        while not self.busy and not self._cancelled and self._admitting:
-          self._lock.wait()
-        if not self.busy and not self._admitting:
-          return
-      self.round()
-
-  def shutdown(self, grace_s: float = 30.0) -> None:
-    """Admit nothing new; let queued and decoding requests finish for up to `grace_s`, then cancel the rest."""
-    with self._lock:
-      self._admitting = False
-      self._lock.notify_all()
-    deadline = time.monotonic() + grace_s
-    while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
-      self._thread.join(timeout=0.05)
-    with self._lock:
-      self._cancelled.update(r.id for r in self.queue)
-      self._cancelled.update(r.id for r in self.slots if r is not None)
-      self._lock.notify_all()
-    if self._thread is not None:
-      self._thread.join()
-    elif self.busy:
-      self.round()  # no thread: deliver the cancellations here

@@ -99,7 +99,7 @@ async def answer(engine, model, request_id: str, inbox: _Inbox, p: Plan) -> Asyn
       if hits:
         text, reason = text[:min(hits)], "stop"
       elif reason is None and engine_done:  # the engine's reason; 'cancelled' (shutdown) is vLLM's 'abort'
-        reason = "abort" if event.finish_reason == "cancelled" else event.finish_reason
+        reason = "abort" if event.finish_reason in ("cancelled", "error") else event.finish_reason
       if reason is None:  # keep back what may change: a partial character, a partial stop string
         text = text.rstrip("\ufffd")
         text = text[:len(text) - hold] if hold else text
@@ -175,10 +175,12 @@ def create_app(engine, model, served_model_name: str) -> FastAPI:
 
   @app.get("/health")
   async def health():
-    busy = sum(r is not None for r in engine.slots)
-    body = {"status": "draining" if app.state.draining else "ok", "slots": cfg.slots,
-            "free_slots": cfg.slots - busy, "queued": len(engine.queue)}
-    return JSONResponse(body, status_code=503 if app.state.draining else 200)
+    load = engine.load()
+    status = "failed" if load["error"] else "draining" if app.state.draining else "ok"
+    body = {"status": status, "slots": load["slots"], "free_slots": load["free_slots"], "queued": load["queued"]}
+    if load["error"]:
+      body["error"] = load["error"]
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
   @app.get("/v1/models")
   async def models():

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Callable, NamedTuple
 
 ENGINE_METHODS = {"d2f": ("d2f", "threshold"), "ar": ("ar",)}  # engine method -> request methods
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # error: the engine thread failed
 
 
 @dataclasses.dataclass(frozen=True)
