@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from d2f_jax.bench import BENCHMARKS as BENCHES
 HELP = [("d2f_jax.main", []), ("d2f_jax.distill", []), ("d2f_jax.generate", []), ("d2f_jax.evaluate", []),
-        ("d2f_jax.convert", []), ("d2f_jax.aot", []), ("d2f_jax.bench", [])] + [("d2f_jax.bench", [b]) for b in BENCHES]
+        ("d2f_jax.convert", []), ("d2f_jax.aot", []), ("d2f_jax.serve", []), ("d2f_jax.bench", [])] + [("d2f_jax.bench", [b]) for b in BENCHES]
 
 
 def bad_cases(tmp):
@@ -52,6 +52,9 @@ def bad_cases(tmp):
       ("d2f_jax.bench", ["train", "--nope"], "unrecognized arguments: --nope"),
       ("d2f_jax.bench", ["convert", "--shards", "x"], "--shards: invalid int value"),
       ("d2f_jax.bench", ["serve", "--slots", "0"], "expected positive slot counts"),
+      ("d2f_jax.serve", ["--model", "/nonexistent/m"], "/nonexistent/m"),
+      ("d2f_jax.serve", ["--model", bad_json], "not valid JSON"),
+      ("d2f_jax.serve", ["--model", model, "--slots", "0"], "--slots must be a positive int"),
       ("d2f_jax.bench", ["serve", "--workdir", "/nonexistent/w"], "no trained D2F student in /nonexistent/w"),
   ]
 

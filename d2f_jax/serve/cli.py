@@ -1,7 +1,8 @@
 """`python -m d2f_jax.serve --model PATH_OR_HUB_ID`: load a model, warm the engine up, serve the OpenAI API.
 
-Warm-up runs one short request per prompt bucket (and one cancellation) through the engine before the port
-opens, so the first real request pays no compile and /health answers only once serving is fast.
+Warm-up compiles every program the engine runs (Engine.warm_up) before the port opens, so the first real
+request pays no compile and /health answers only once serving is fast. `--method ar` serves the causal
+baseline model (one token per step) through the same engine and API.
 SIGTERM (or Ctrl-C) drains: /health and new requests get 503 at once, queued and decoding requests finish
 within --grace_s (the rest are cancelled, finish_reason 'abort'), their responses go out, and the process
 exits 0. A second signal exits without waiting.
@@ -14,17 +15,19 @@ import logging
 import socket
 import threading
 
-from d2f_jax.decode.flags import add_device_flags, setup_devices
-from d2f_jax.usage import UsageError
+from d2f_jax.decode.flags import add_device_flags, check_model_flags, setup_devices
+from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.serve", description=__doc__.split("\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = ArgumentParser("python -m d2f_jax.serve", __doc__)
   p.add_argument("--model", required=True, help="HF or converted model directory, or a Hub id (local cache)")
-  p.add_argument("--lora", default=None, help="PEFT adapter directory merged into the model (a D2F student)")
+  p.add_argument("--lora_dir", "--lora", dest="lora_dir", default=None,
+                 help="PEFT adapter directory merged into the model (a D2F student), as generate and evaluate take")
+  p.add_argument("--method", default="d2f", choices=("d2f", "ar"),
+                 help="d2f (requests may ask for d2f or threshold) or ar (a causal baseline model)")
   p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16; None keeps the checkpoint's")
   p.add_argument("--served_model_name", default=None, help="the name clients send as `model`; None: the --model value")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (localhost only by default)")
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_config(args):
   from d2f_jax.serve import EngineConfig
   try:
-    return EngineConfig(slots=args.slots, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+    return EngineConfig(slots=args.slots, method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_prompt_len=args.max_prompt_len, prompt_bucket=min(args.prompt_bucket,
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, queue_size=args.queue_size, sampling=args.sampling)
@@ -67,6 +70,7 @@ def _bind(host: str, port: int) -> socket.socket:
   return sock
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   handler = logging.StreamHandler()
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from d2f_jax.serve.server import create_app
   except ImportError as e:
     raise UsageError(f"serving needs FastAPI and uvicorn: pip install 'd2f_jax[serve]' ({e})") from None
+  check_model_flags(args)  # a missing model directory or adapter fails before anything slow
   sock = _bind(args.host, args.port)  # before the slow part: a taken port fails at once
   mesh = setup_devices(args, local=True)
   import jax
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
   if jax.process_count() > 1:
     raise UsageError("the server runs in one process; use --mesh over this process's devices")
   try:
-    model = load_model(args.model, dtype=args.dtype, lora_dir=args.lora, attention=args.attention, mesh=mesh)
+    model = load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh)
   except (OSError, ValueError) as e:
     raise UsageError(f"--model {args.model}: {e}") from None
   try:
