@@ -83,6 +83,16 @@ def _sizes(text: str) -> list[int]:
   return sizes
 
 
+def _rates(text: str) -> list[float]:
+  try:
+    rates = [float(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated request rates, got {text!r}") from None
+  if not rates or min(rates) <= 0:
+    raise argparse.ArgumentTypeError(f"expected positive request rates, got {text!r}")
+  return rates
+
+
 def parse_args(argv):
   p = ArgumentParser("python -m d2f_jax.bench serve", __doc__)
   p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="the main job's workdir (its student/hf is served)")
@@ -90,6 +100,8 @@ def parse_args(argv):
   p.add_argument("--limit", type=int, default=256, help="held-out problems")
   p.add_argument("--steps_per_call", type=int, default=4, help="engine D2F steps per device call")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
+  p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
+  p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")
   p.add_argument("--json", default="results/bench_serve.json", help="where the report is written")
   return p.parse_args(argv)
 
@@ -115,8 +127,12 @@ def main(argv: list[str]) -> None:
                             tau_act=tau_act, tau_conf=tau_conf, steps_per_call=args.steps_per_call)}
   if args.load:
     from d2f_jax.bench import serve_load
-    extra["load"] = serve_load.run(os.path.join(args.workdir, "student", "hf"), prompts, config)
+    extra["load"] = serve_load.run(os.path.join(args.workdir, "student", "hf"), prompts, config,
+                                   slots=max(args.slots), rates=args.rates, count=args.requests)
   write_report(args.json, "serve", rows, **extra)
+  if args.load:
+    from d2f_jax.reporting import format_table
+    print(format_table(extra["load"]))
   if not all(r["identical"] for r in rows):
     raise SystemExit("the engine's outputs differ from generate's (see 'identical' above)")
 
