@@ -125,6 +125,19 @@ def test_quick_train_and_d2f_decode_of_both_families_on_eight_fake_devices(tmp_p
     assert r["shape"]["rows_compiled"] % r["mesh"]["data"] == 0 and 3 <= r["shape"]["rows_compiled"] < 3 + r["mesh"]["data"]
 
 
+def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path):
+  """--program serve: the engine's advance and insert programs, slots over rows, both reported and fitting."""
+  out = tmp_path / "serve.json"
+  proc = _run(["--target", "cpu-4", "--config", DREAM, "--quick", "--program", "serve", "--slots", "4",
+               "--json", str(out)])
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  results = json.loads(out.read_text())["results"]
+  assert [r["program"] for r in results] == ["serve_advance", "serve_insert"]
+  for r in results:
+    assert r["fits"] is True and r["devices"] == 4 and r["shape"]["slots"] == 4, r
+    assert abs(r["compiled"]["arguments"] - r["argument_bytes"]) < 1024, r  # nothing replicated by accident
+
+
 def test_train_program_is_the_configs_objective_not_always_distill(monkeypatch):
   """Built through train.step.spec_from_config (the Trainer's): an mdm config has no teacher weights."""
   import jax

@@ -55,13 +55,15 @@ def define_flags(flag_values, argv: list[str]) -> None:
   config_files.DEFINE_config_file("config", None, "Config file 'path.py[:arg]' (one per run). Required.",
                                   sys_argv=argv, **f)
   flags.DEFINE_multi_enum("program", ["train"], PROGRAMS, "What to compile (repeatable): the config's train step, "
-                          "or the whole jitted D2F / AR decode loop of its model.", **f)
+                          "the whole jitted D2F / AR decode loop of its model, or the serving engine's programs "
+                          "(serve: advance and insert over --slots slots).", **f)
   flags.DEFINE_enum("attention", None, ["auto", "xla", "pallas"], "Attention implementation; none: pallas on a "
                     "real target, config.model's on cpu-N.", **f)
   flags.DEFINE_string("mesh", None, "Train mesh override: data=..,fsdp=..,tensor=.. (one may be -1).", **f)
   flags.DEFINE_string("decode_mesh", None, "Decode mesh; none: heads over the largest power of two dividing them, "
                       "rows over the rest.", **f)
   flags.DEFINE_list("batch", ["1", "32"], "Decode batch sizes, comma-separated.", **f)
+  flags.DEFINE_integer("slots", 32, "Serving engine slots (--program serve).", **f)
   flags.DEFINE_integer("prompt_len", 512, "Decode prompt width.", **f)
   flags.DEFINE_integer("new_tokens", 256, "Decode new tokens.", **f)
   flags.DEFINE_integer("block_size", 32, "Decode block size.", **f)
@@ -173,23 +175,28 @@ def main(argv: list[str] | None = None) -> int:
   for name in programs:
     if name == "train":
       jobs.append((name, {}))
+    elif name == "serve":
+      jobs.append((name, {"slots": args.slots}))
     else:
       jobs += [(name, {"batch": b}) for b in batches]
+  quick = dict(prompt_len=64, new_tokens=32, block_size=16) if args.quick else {}
+  sizes = dict(prompt_len=quick.get("prompt_len", args.prompt_len), new_tokens=quick.get("new_tokens", args.new_tokens),
+               block_size=quick.get("block_size", args.block_size), attention=attention, mesh_shape=decode_mesh)
   for name, extra in jobs:
-    label = f"{spec} {name}{' batch ' + str(extra['batch']) if extra else ''}"
+    label = f"{spec} {name}{''.join(f' {k} {v}' for k, v in extra.items())}"
     print(f"== {label} on {target.name}")
     try:
       if name == "train":
-        program = progs.train_program(config, devices, attention=attention)
+        built = [progs.train_program(config, devices, attention=attention)]
+      elif name == "serve":
+        built = progs.serve_programs(config, devices, slots=extra["slots"], **sizes)
       else:
-        quick = dict(prompt_len=64, new_tokens=32, block_size=16) if args.quick else {}
-        program = progs.decode_program(
-            config, devices, method=name.removesuffix("_decode"), batch=extra["batch"],
-            prompt_len=quick.get("prompt_len", args.prompt_len), new_tokens=quick.get("new_tokens", args.new_tokens),
-            block_size=quick.get("block_size", args.block_size), attention=attention, mesh_shape=decode_mesh)
+        built = [progs.decode_program(config, devices, method=name.removesuffix("_decode"), batch=extra["batch"],
+                                      **sizes)]
       mc = progs.model_config_of(config, attention)
-      report = check.compile_program(program, target, devices, model=model, dtype=mc.dtype,
+      found = [check.compile_program(program, target, devices, model=model, dtype=mc.dtype,
                                      attention_impl=mc.attention_impl, compile=not args.no_compile, top=args.top)
+               for program in built]
     except Exception as e:  # noqa: BLE001 - a failed compile is the finding: report it and go on
       message = " ".join(str(e).split())[:2000]
       print(f"  FAILED: {type(e).__name__}: {message}")
@@ -197,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                       "error": f"{type(e).__name__}: {message}"})
       status = EXIT_COMPILE_ERROR
       continue
-    report["config"] = spec
-    print(memory.format_report(report))
-    if not report["fits"] and status == 0:
-      status = EXIT_DOES_NOT_FIT
-    reports.append(report)
+    for report in found:
+      report["config"] = spec
+      print(memory.format_report(report))
+      if not report["fits"] and status == 0:
+        status = EXIT_DOES_NOT_FIT
+      reports.append(report)
 
   if args.json:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

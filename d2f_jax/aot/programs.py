@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-PROGRAMS = ("train", "d2f_decode", "ar_decode")
+PROGRAMS = ("train", "d2f_decode", "ar_decode", "serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +107,21 @@ def decode_program(config, devices: list, *, method: str, batch: int, prompt_len
   shape = {"batch": batch, "rows_compiled": built.batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "block_size": block_size}
   return Program(f"{method}_decode", built.fn, built.args, dict(mesh.shape), shape)
+
+
+def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_tokens: int, block_size: int,
+                   attention: str | None = None, mesh_shape: dict | None = None, rules=None) -> list[Program]:
+  """The serving engine's two programs for the config's model: `serve_advance` (k D2F steps over every slot)
+  and `serve_insert` (a request's prefill at the largest prompt bucket into a slot), slots over rows."""
+  from d2f_jax import sharding
+  from d2f_jax.serve import EngineConfig
+  from d2f_jax.serve.aot import engine_programs
+
+  mc = model_config_of(config, attention)
+  mesh = sharding.make_mesh(mesh_shape or decode_mesh_shape(mc, len(devices)), devices)
+  engine = EngineConfig(slots=slots, block_size=block_size, max_new_tokens=new_tokens, max_prompt_len=prompt_len,
+                        prompt_bucket=min(64, prompt_len))
+  built = engine_programs(mc, engine, mesh, rules if rules is not None else config.get("logical_axis_rules"))
+  shape = {"slots": slots, "prompt_len": engine.prompt_width, "new_tokens": new_tokens, "block_size": block_size,
+           "steps_per_call": engine.steps_per_call}
+  return [Program(name, fn, args, dict(mesh.shape), shape) for name, (fn, args) in built.items()]
