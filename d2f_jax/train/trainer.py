@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from d2f_jax.models import LoraConfig
+from d2f_jax.reporting import write_text
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
@@ -78,10 +79,7 @@ class Trainer:
     self._setup_data(data_path)
     self._setup_state()
     if self.is_main:  # the restored checkpoint fits: from now on this config is the run's
-      tmp = os.path.join(self.workdir, "config.json.tmp")
-      with open(tmp, "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-      os.replace(tmp, os.path.join(self.workdir, "config.json"))
+      write_text(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2))
     self.writer = metrics_lib.Writer(self.workdir)
     self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
                                                              self.models.lora, teacher=self.models.teacher)
