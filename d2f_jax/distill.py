@@ -10,7 +10,8 @@ filesystem every host sees (NFS, Filestore, a gcsfuse mount of a bucket).
 Exit status (what a scheduler / the launch scripts act on):
   0    done: config.total_steps reached, final checkpoint (and export) written
   2    refused input: a bad config field, data file or model directory, or a workdir whose checkpoints
-       were written with an incompatible config (one `error:` line naming the field); nothing overwritten
+       were written with an incompatible config (one `error:` line naming the field), or a workdir another
+       live process works in (named by pid and host); nothing overwritten
   3    diverged: a non-finite loss, gradient or parameter; no checkpoint or export of that state
   143  preempted: stopped by SIGTERM (or a preemption notice) after saving the checkpoint of the step it
        finished; run the same command again to resume
@@ -50,6 +51,7 @@ def main(argv) -> None:
   from d2f_jax.convert.errors import ConvertError
   from d2f_jax.train import config as config_lib, sharding
   from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
+  from d2f_jax.workdir_lock import WorkdirLocked
   config = _CONFIG.value
   try:
     config_lib.validate(config)
@@ -60,8 +62,8 @@ def main(argv) -> None:
   from d2f_jax.train.trainer import Trainer
   try:
     trainer = Trainer(config, _WORKDIR.value)
-  except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:
-    _fail(EXIT_BAD_INPUT, e)  # a config field, data file, model directory or workdir that cannot be used
+  except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError, WorkdirLocked) as e:
+    _fail(EXIT_BAD_INPUT, e)  # a config field, data file, model directory or workdir that cannot be used (or busy)
   try:
     history = trainer.run()
   except NonFiniteError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -30,7 +31,12 @@ def main(argv) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.WARNING)
   from d2f_jax.e2e import pipeline
-  payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
+  from d2f_jax.workdir_lock import WorkdirLocked
+  try:
+    payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
+  except WorkdirLocked as e:  # another live process runs in this workdir
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows
   from d2f_jax.reporting import format_table
   print(format_table(table_rows(payload["rows"]), TABLE_COLUMNS))

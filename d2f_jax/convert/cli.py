@@ -66,13 +66,14 @@ def main(argv: list[str] | None = None) -> None:
   parser = build_parser()
   args = parser.parse_args(argv)
   from d2f_jax.convert.errors import ConvertError, one_line  # after parsing, so --help stays fast
+  from d2f_jax.workdir_lock import WorkdirLocked
   try:
     with _sigterm_raises():
       _run(parser, args)
   except Terminated:
     print("error: stopped by SIGTERM; the partial output was removed", file=sys.stderr)
     raise SystemExit(EXIT_TERMINATED) from None
-  except (ConvertError, OSError) as e:  # every refusal names its file / tensor / field
+  except (ConvertError, OSError, WorkdirLocked) as e:  # every refusal names its file / tensor / field (or process)
     print(f"error: {one_line(e)}", file=sys.stderr)
     raise SystemExit(EXIT_BAD_INPUT) from None
 

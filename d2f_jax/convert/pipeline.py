@@ -13,6 +13,7 @@ from d2f_jax.convert.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from d2f_jax.convert.hf_import import load_hf_params
 from d2f_jax.convert.lora import export_peft_adapter, merge_lora, read_adapter_config, read_peft_adapter
 from d2f_jax.convert.mapping import lora_shapes
+from d2f_jax import workdir_lock
 from d2f_jax.convert.util import check_apart, check_out_dir
 
 
@@ -21,7 +22,12 @@ def convert_hf_dir(hf_dir, out_dir, *, lora_dir=None, merge: bool = False, dtype
   """Hugging Face directory (+ optional PEFT adapter, merged or kept separate) -> converted directory."""
   hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
   check_apart(out_dir, {"--hf_dir": hf_dir, "--lora_dir": lora_dir})  # --overwrite would delete the source
-  check_out_dir(os.path.abspath(out_dir), overwrite)  # fail before the expensive part
+  with workdir_lock.hold(out_dir, what="convert output", beside=True):  # two converts into one --out
+    check_out_dir(os.path.abspath(out_dir), overwrite)  # fail before the expensive part
+    return _convert(hf_dir, out_dir, lora_dir, merge, dtype, allow_pickle, overwrite, progress)
+
+
+def _convert(hf_dir, out_dir, lora_dir, merge, dtype, allow_pickle, overwrite, progress) -> str:
   _, hf_config = read_hf_config(hf_dir)
   config, params = load_hf_params(hf_dir, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
   lora_cfg = lora_params = None

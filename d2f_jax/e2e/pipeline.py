@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 import d2f_jax
+from d2f_jax import workdir_lock
 from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.decode.config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
@@ -155,7 +156,13 @@ def stages(c) -> list[tuple[str, str, dict]]:
 
 
 def run(c, workdir: str) -> dict:
-  """The whole reproduction into `workdir`; returns the results payload (also written as files)."""
+  """The whole reproduction into `workdir`; returns the results payload (also written as files). A workdir
+  another live process runs in is refused (workdir_lock.WorkdirLocked)."""
+  with workdir_lock.hold(workdir, what="main job workdir"):
+    return _run(c, workdir)
+
+
+def _run(c, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   data_dir = os.path.join(workdir, "data")
   os.makedirs(data_dir, exist_ok=True)

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from d2f_jax.models import LoraConfig
+from d2f_jax import workdir_lock
 from d2f_jax.reporting import write_text
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
@@ -69,6 +70,16 @@ class Trainer:
     self.is_main = jax.process_index() == 0
     self.preempted = False  # set when run() stopped early on SIGTERM / a preemption notice (checkpoint saved)
     os.makedirs(self.workdir, exist_ok=True)
+    # One process per workdir (process 0 for all hosts): two runs would write each other's checkpoints.
+    self._lock = workdir_lock.acquire(self.workdir, what="training workdir") if self.is_main else None
+    try:
+      self._setup()
+    except BaseException:
+      self._release_lock()
+      raise
+
+  def _setup(self) -> None:
+    config = self.config
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
                                      keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     config_lib.check_resume(self.workdir, config, self.checkpointer.latest_step())  # before anything is written
@@ -267,6 +278,14 @@ class Trainer:
                      newest_checkpoint=self.checkpointer.latest_step())
 
   def close(self) -> None:
-    self.checkpointer.wait()
-    self.checkpointer.close()
-    self.writer.close()
+    try:
+      self.checkpointer.wait()
+      self.checkpointer.close()
+      self.writer.close()
+    finally:
+      self._release_lock()
+
+  def _release_lock(self) -> None:
+    if self._lock is not None:
+      workdir_lock.release(self._lock)
+      self._lock = None
