@@ -11,7 +11,8 @@ Exit status (what a scheduler / the launch scripts act on):
   0    done: config.total_steps reached, final checkpoint (and export) written
   2    refused input: a bad config field, data file or model directory, or a workdir whose checkpoints
        were written with an incompatible config (one `error:` line naming the field), or a workdir another
-       live process works in (named by pid and host); nothing overwritten
+       live process works in (named by pid and host); nothing overwritten; or a checkpoint that could not
+       be written (disk full: the path and errno; partial files removed, older checkpoints intact)
   3    diverged: a non-finite loss, gradient or parameter; no checkpoint or export of that state
   143  preempted: stopped by SIGTERM (or a preemption notice) after saving the checkpoint of the step it
        finished; run the same command again to resume
@@ -50,7 +51,7 @@ def main(argv) -> None:
   logging.getLogger("d2f_jax").setLevel(logging.INFO)
   from d2f_jax.convert.errors import ConvertError
   from d2f_jax.train import config as config_lib, sharding
-  from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
+  from d2f_jax.train.checkpoint import CheckpointMismatch, CheckpointWriteError, CorruptCheckpoints
   from d2f_jax.workdir_lock import WorkdirLocked
   config = _CONFIG.value
   try:
@@ -69,6 +70,12 @@ def main(argv) -> None:
   except NonFiniteError as e:
     trainer.close()
     _fail(EXIT_DIVERGED, e)
+  except CheckpointWriteError as e:  # disk full, permissions: the path and errno, partial files removed
+    try:
+      trainer.close()
+    except CheckpointWriteError:
+      pass
+    _fail(EXIT_BAD_INPUT, e)
   trainer.close()
   log = logging.getLogger("d2f_jax")
   if history:

@@ -151,7 +151,7 @@ class Trainer:
   def _setup_state(self) -> None:
     """The newest checkpoint's state and data position, or a fresh state; both land in their shardings."""
     target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
-    restored = self.checkpointer.restore_newest(target)
+    restored = self.checkpointer.restore_newest(target, data_template=self.data.get_state())
     if restored is None:
       if self.models.keeps_base:
         base = self.frozen
