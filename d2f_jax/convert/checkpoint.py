@@ -24,6 +24,7 @@ from orbax.checkpoint import type_handlers
 
 from d2f_jax.convert import mapping
 from d2f_jax.convert.errors import CheckpointError, ConvertError, one_line
+from d2f_jax.convert.hf_config import attention_of
 from d2f_jax.convert.finite import check_tree
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.model_card import CARD_FILE, converted_card
@@ -166,6 +167,8 @@ def read_converted_meta(path) -> tuple[ModelConfig, LoraConfig | None, dict]:
   lora = lora_config_from_dict(meta["lora"], meta_path, "lora") if meta.get("lora") is not None else None
   if meta.get("hf_config") is not None:
     require_object(meta["hf_config"], meta_path, "hf_config")
+    if config.attention_kind is None:  # converted before the config kept it: its original config.json says
+      config = config.replace(attention_kind=attention_of(meta["hf_config"], f"{meta_path} hf_config"))
   return config, lora, meta
 
 

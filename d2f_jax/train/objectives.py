@@ -29,6 +29,7 @@ class Objective:
   denominator: str  # the entry of sums that the summed 'ce' (and its gradient) is divided by
   summarize: Callable  # sums -> metrics, 'loss' first
   teacher: bool  # holds a frozen teacher (counted in FLOPs, kept beside a full fine-tune)
+  attention: str = "bidirectional"  # how the trained model attends: its ModelConfig.attention_kind in exports
 
 
 def _distill_prepare(spec, key, batch):
@@ -73,9 +74,10 @@ def _ar_sums(spec, trainable, frozen, inputs, dropout_key):
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "distill": Objective(_distill_prepare, _distill_sums, "masked", _distill_summarize, teacher=True),
+    "distill": Objective(_distill_prepare, _distill_sums, "masked", _distill_summarize, teacher=True,
+                         attention="block_causal"),
     "mdm": Objective(_mdm_prepare, _mdm_sums, "response", loss_mdm.summarize, teacher=False),
-    "ar": Objective(_ar_prepare, _ar_sums, "targets", loss_ar.summarize, teacher=False),
+    "ar": Objective(_ar_prepare, _ar_sums, "targets", loss_ar.summarize, teacher=False, attention="causal"),
 }
 
 

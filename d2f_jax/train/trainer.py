@@ -118,8 +118,9 @@ class Trainer:
     with model_cfg.unlocked():
       model_cfg.path = self.model_path
     obj = objectives.get(c.objective)
-    self.models = TrainModels.create(model_config(model_cfg, remat=c.remat), lora_config(c), c.train_dtype,
-                                       teacher=obj.teacher)
+    # The trained model attends as its objective teaches it (written into its exports' configs).
+    trained = model_config(model_cfg, remat=c.remat).replace(attention_kind=obj.attention)
+    self.models = TrainModels.create(trained, lora_config(c), c.train_dtype, teacher=obj.teacher)
     self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
     self.frozen = self._load_base() if self.models.keeps_base else {}
     self.spec = spec_from_config(c, self.models, self.mesh, self.rules)
