@@ -46,6 +46,9 @@ def get_config(arg=None):
   c.threshold_tau_conf = 0.9
   c.max_blocks_in_flight = 0  # 0: no cap (the authors' loop); a cap is a speed option only
   c.eval_batch_size = 1  # the paper's setting
+  # A finished stage is reused only with the config it ran with; "student" (or "ar,teacher", "all") moves the
+  # named stages' directories aside and trains them again (python -m d2f_jax.main --config.rerun=student).
+  c.rerun = ""
   if arg.llada:
     c.llada_teacher.steps = 1800
   if arg.smoke:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.source import TOKENIZER_FILES, load_tokenizer  # noqa: F401  (public here too)
 from d2f_jax.decode.mesh import DecodeMesh
 from d2f_jax.decode.runner_model import shard_model, with_attention
@@ -169,7 +170,7 @@ def _flatten(tree: dict, prefix: tuple = ()):
 
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
                allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
-               rules=None) -> Model:
+               rules=None, allow_nonfinite: bool = False, format: str | None = None) -> Model:  # noqa: A002
   """Load a model from a Hugging Face directory (config.json + safetensors), a converted directory, or a
   Hub id ("GSAI-ML/LLaDA-8B-Instruct[@revision]") through the local Hugging Face cache (convert/source.py).
 
@@ -179,23 +180,33 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
   attention: ModelConfig.attention_impl ('auto', 'xla', 'pallas', ...); default keeps the config's.
   mesh / rules: place the weights straight into their shardings on this jax Mesh (axes data, fsdp,
   tensor) by these logical-axis rules (default: training's, d2f_jax.sharding.DEFAULT_RULES).
+  allow_nonfinite: load weights holding NaN / inf (refused by default, naming the tensor), for forensics.
+  format: 'converted' or 'hf', for a directory holding both (refused without it).
+  A tokenizer with more tokens than the embedding has rows is refused (its ids past the rows have no weights).
   """
   from d2f_jax.decode.mesh import as_decode_mesh
   from d2f_jax import convert
 
   path = convert.resolve_model_dir(path)
   config, params, lora_cfg, lora_params = convert.load_params(path, dtype, allow_pickle=allow_pickle,
-                                                              progress=progress)
+                                                              progress=progress, allow_nonfinite=allow_nonfinite,
+                                                              format=format)
   if lora_dir is not None:
     if lora_cfg is not None:
       raise ValueError(f"{path!r} already carries a LoRA adapter; merge it before adding {lora_dir!r}")
-    lora_cfg, lora_params = convert.read_peft_adapter(lora_dir, config)
+    lora_cfg, lora_params = convert.read_peft_adapter(lora_dir, config, allow_nonfinite=allow_nonfinite)
     if merge_lora:
-      params = convert.merge_lora(params, lora_cfg, lora_params, config, inplace=True)
+      params = convert.merge_lora(params, lora_cfg, lora_params, config, inplace=True,
+                                  allow_nonfinite=allow_nonfinite)
       lora_cfg = lora_params = None
   if attention is not None:
     config = config.replace(attention_impl=attention)
   placement = as_decode_mesh(mesh, rules)
   graphdef, state = model_from_params(config, params, lora_cfg, lora_params, placement=placement)
-  return Model(config=config, graphdef=graphdef, state=state, tokenizer=load_tokenizer(path),
+  tokenizer = load_tokenizer(path)
+  if tokenizer is not None and len(tokenizer) > config.vocab_size:
+    raise ConvertError(f"the tokenizer in {path!r} has {len(tokenizer)} tokens, but the model's embedding has "
+                               f"{config.vocab_size} rows (config vocab_size): ids from {config.vocab_size} on would "
+                               "have no weights; the tokenizer belongs to another model")
+  return Model(config=config, graphdef=graphdef, state=state, tokenizer=tokenizer,
                      lora=lora_cfg, source=path, placement=placement)

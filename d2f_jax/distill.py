@@ -10,7 +10,9 @@ filesystem every host sees (NFS, Filestore, a gcsfuse mount of a bucket).
 Exit status (what a scheduler / the launch scripts act on):
   0    done: config.total_steps reached, final checkpoint (and export) written
   2    refused input: a bad config field, data file or model directory, or a workdir whose checkpoints
-       were written with an incompatible config (one `error:` line naming the field); nothing overwritten
+       were written with an incompatible config (one `error:` line naming the field), or a workdir another
+       live process works in (named by pid and host); nothing overwritten; or a checkpoint that could not
+       be written (disk full: the path and errno; partial files removed, older checkpoints intact)
   3    diverged: a non-finite loss, gradient or parameter; no checkpoint or export of that state
   143  preempted: stopped by SIGTERM (or a preemption notice) after saving the checkpoint of the step it
        finished; run the same command again to resume
@@ -49,19 +51,27 @@ def main(argv) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.INFO)
   from d2f_jax.convert.errors import ConvertError
-  from d2f_jax.train.checkpoint import CheckpointMismatch, CorruptCheckpoints
+  from d2f_jax.train.checkpoint import CheckpointMismatch, CheckpointWriteError, CorruptCheckpoints
+  from d2f_jax.workdir_lock import WorkdirLocked
   from d2f_jax.train.divergence import NonFiniteError
   from d2f_jax.train.trainer import Trainer
   config = _CONFIG.value
   try:  # the Trainer validates the config, then starts jax.distributed before anything touches the devices
     trainer = Trainer(config, _WORKDIR.value)
-  except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError) as e:
-    raise usage.UsageError(str(e) or type(e).__name__) from None  # a config field, data file, model directory or workdir that cannot be used
+  except (ConvertError, CheckpointMismatch, CorruptCheckpoints, FileNotFoundError, ValueError, WorkdirLocked) as e:
+    # a config field, data file, model directory or workdir that cannot be used (or is busy)
+    raise usage.UsageError(str(e) or type(e).__name__) from None
   try:
     history = trainer.run()
   except NonFiniteError as e:
     trainer.close()
     _fail(EXIT_DIVERGED, e)
+  except CheckpointWriteError as e:  # disk full, permissions: the path and errno, partial files removed
+    try:
+      trainer.close()
+    except CheckpointWriteError:
+      pass
+    _fail(EXIT_BAD_INPUT, e)
   trainer.close()
   log = logging.getLogger("d2f_jax")
   if history:

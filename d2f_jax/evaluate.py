@@ -12,6 +12,8 @@ own devices and process 0 writes the merged files.
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 import time
 
@@ -53,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def default_out_dir(task: str, method: str) -> str:
+  """results/evals/<task>_<method>_<time>_<microseconds>-<pid>: two evaluations started in the same second
+  (a one-second name made them share a directory and overwrite each other's samples) get their own."""
+  now = time.time()
+  stamp = time.strftime("%Y%m%d_%H%M%S", time.localtime(now))
+  return f"results/evals/{task}_{method}_{stamp}_{int(now * 1e6) % 1_000_000:06d}-{os.getpid()}-{next(_RUNS)}"
+
+
+_RUNS = itertools.count()
+
+
 def make_task(args):
   from d2f_jax.evals.runner import make_task as by_name
   if args.task == "arithmetic":  # the main job's held-out set (d2f_jax.tasks.arithmetic defaults)
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     task.load(args.limit)
   except (FileNotFoundError, ValueError) as e:
     raise UsageError(f"cannot read the {args.task} data: {e}") from e
-  out = args.out or f"results/evals/{args.task}_{args.method}_{time.strftime('%Y%m%d_%H%M%S')}"
+  out = args.out or default_out_dir(args.task, args.method)
 
   from d2f_jax.decode.config import check_method_fits, model_attention
   from d2f_jax.evals.runner import run_benchmark

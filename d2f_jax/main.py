@@ -6,13 +6,16 @@ r"""The main job: D2F reproduced in miniature on a CPU, end to end, with no down
 Writes results.md, results.json, throughput_vs_accuracy.png and decode_trace.png into the workdir, and the
 trained models as Hugging Face directories in <workdir>/<stage>/hf (ar, teacher, student). Stage messages,
 training and evaluation progress bars go to stderr. Re-running with the same workdir skips finished stages
-and resumes unfinished ones.
+and resumes unfinished ones. A finished stage whose recorded config differs from the requested one is
+refused (exit 2, naming the fields); `--config.rerun=student` (comma-separated stages, or `all`) moves the
+named stages aside and trains them again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from absl import flags
 from absl import logging as absl_logging
@@ -32,7 +35,12 @@ def main(argv) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("d2f_jax").setLevel(logging.WARNING)
   from d2f_jax.e2e import pipeline
-  payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
+  from d2f_jax.workdir_lock import WorkdirLocked
+  try:
+    payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
+  except (WorkdirLocked, pipeline.StageConfigChanged) as e:  # a busy workdir; a finished stage of another config
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows
   from d2f_jax.reporting import format_table
   print(format_table(table_rows(payload["rows"]), TABLE_COLUMNS))

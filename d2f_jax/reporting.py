@@ -3,31 +3,66 @@ importing each other: the measuring environment, an aligned text table, atomic J
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import tempfile
 import time
-from typing import Iterable
+from typing import IO, Callable, Iterable
 
 import jax
 
+def _umask() -> int:
+  """The process umask, read without changing it where Linux allows (os.umask would race other threads)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def atomic_write(path, write: Callable[[IO[str]], None]) -> None:
+  """`write(f)` into a temporary file of its own beside `path` (mkstemp), then renamed over `path`.
+
+  Why unique: two processes writing one results file with a shared `<path>.tmp` tore it (invalid JSON) or
+  lost the temporary to the other's rename. Now each rename installs one writer's whole file."""
+  path = os.fspath(path)
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+  try:
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file gets what open() would give it
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def write_text(path, text: str) -> None:
+  """Write `text` atomically (see atomic_write)."""
+  atomic_write(path, lambda f: f.write(text))
+
+
 def write_jsonl(path, rows: Iterable[dict]) -> None:
   """Write rows atomically (a crash never leaves half a samples file that looks complete)."""
-  path = os.fspath(path)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
+  def write(f):
     for row in rows:
       f.write(json.dumps(row, ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  atomic_write(path, write)
 
 
 def write_json(path, payload: dict) -> None:
-  path = os.fspath(path)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
+  def write(f):
     json.dump(payload, f, indent=2, ensure_ascii=False)
     f.write("\n")
-  os.replace(tmp, path)
+  atomic_write(path, write)
 
 
 def environment() -> dict:

@@ -103,7 +103,8 @@ def test_import_equals_transposed_hf_tensors(ckpt, family, dtype, shards):
   hf_dir = ckpt(family, dtype, shards)
   assert os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json")) == (shards > 1)
   config, params = convert.load_hf_params(hf_dir, progress=False)
-  assert config == CONFIGS[family].replace(dtype=dtype, param_dtype=dtype)
+  # A config.json without d2f_attention is a released (masked-diffusion) model's: it attends bidirectionally.
+  assert config == CONFIGS[family].replace(dtype=dtype, param_dtype=dtype, attention_kind="bidirectional")
   assert_trees_equal(params, expected_params(family, config, raw_tensors(hf_dir)))
 
 
@@ -142,7 +143,9 @@ def test_import_casts_to_requested_dtype(ckpt):
 
 def test_config_roundtrip_and_embedding_size():
   for cfg in (LLADA_8B, DREAM_7B, TINY_LLADA, TINY_DREAM):
-    assert convert.config_from_hf(convert.hf_config_from_model(cfg)) == cfg
+    for kind in ("bidirectional", "block_causal", "causal"):  # (a preset's None is read back as 'bidirectional')
+      assert convert.config_from_hf(convert.hf_config_from_model(cfg.replace(attention_kind=kind))) == \
+          cfg.replace(attention_kind=kind)
   hf = convert.hf_config_from_model(TINY_LLADA)
   hf.update(vocab_size=500, embedding_size=512)  # padded embedding rows: the embedding has 512 rows
   assert convert.config_from_hf(hf).vocab_size == 512

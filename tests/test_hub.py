@@ -57,7 +57,7 @@ def test_a_cached_hub_id_loads_the_same_model_as_its_directory(hub):
 def test_the_trainer_reads_a_hub_id_as_config_model_path(hub):
   from d2f_jax.train.model import model_config
   cfg = ml_collections.ConfigDict(dict(path="test-org/tiny-dream", preset=None, overrides=None, dtype="float32"))
-  assert model_config(cfg) == TINY_DREAM.replace(dtype="float32", param_dtype="float32")
+  assert model_config(cfg) == TINY_DREAM.replace(dtype="float32", param_dtype="float32", attention_kind="bidirectional")
 
 
 def test_an_uncached_id_offline_is_refused_naming_it(hub, tmp_path):

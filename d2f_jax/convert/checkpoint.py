@@ -24,6 +24,8 @@ from orbax.checkpoint import type_handlers
 
 from d2f_jax.convert import mapping
 from d2f_jax.convert.errors import CheckpointError, ConvertError, one_line
+from d2f_jax.convert.hf_config import attention_of
+from d2f_jax.convert.finite import check_tree
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.model_card import CARD_FILE, converted_card
 from d2f_jax.convert.lora import split_lora
@@ -165,6 +167,8 @@ def read_converted_meta(path) -> tuple[ModelConfig, LoraConfig | None, dict]:
   lora = lora_config_from_dict(meta["lora"], meta_path, "lora") if meta.get("lora") is not None else None
   if meta.get("hf_config") is not None:
     require_object(meta["hf_config"], meta_path, "hf_config")
+    if config.attention_kind is None:  # converted before the config kept it: its original config.json says
+      config = config.replace(attention_kind=attention_of(meta["hf_config"], f"{meta_path} hf_config"))
   return config, lora, meta
 
 
@@ -182,8 +186,8 @@ def _abstract_tree(target) -> dict:
   return jax.tree.map(leaf, target)
 
 
-def restore_converted(path, dtype=None, *, target: Any = None) -> tuple[ModelConfig, dict, LoraConfig | None,
-                                                                        dict | None]:
+def restore_converted(path, dtype=None, *, target: Any = None, allow_nonfinite: bool = False
+                      ) -> tuple[ModelConfig, dict, LoraConfig | None, dict | None]:
   """(config, params, lora_cfg, lora_params) of a converted directory.
 
   dtype: cast numpy results ('bfloat16', 'float32'); config.param_dtype / dtype follow it.
@@ -191,8 +195,16 @@ def restore_converted(path, dtype=None, *, target: Any = None) -> tuple[ModelCon
     `nnx.state(nnx.eval_shape(lambda: Transformer(cfg, lora, rngs=nnx.Rngs(0))), nnx.Param)` with shardings
     filled in: arrays are restored straight onto the mesh. Its LoRA leaves (`*_lora_a/b`), if any, receive
     the saved LoRA parameters.
+  NaN / inf weights are refused, naming the parameter and index, unless `allow_nonfinite`.
   """
   path = os.fspath(path)
+  config, params, lora_cfg, lora_params = _restore_converted(path, dtype, target)
+  check_tree(params, os.path.join(path, "params"), allow=allow_nonfinite)
+  check_tree(lora_params or {}, os.path.join(path, "lora"), allow=allow_nonfinite)
+  return config, params, lora_cfg, lora_params
+
+
+def _restore_converted(path: str, dtype, target):
   config, lora_cfg, _ = read_converted_meta(path)
   base_shapes = mapping.param_shapes(config)
   lora_shapes = mapping.lora_shapes(config, lora_cfg) if lora_cfg else {}

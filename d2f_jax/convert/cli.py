@@ -1,7 +1,7 @@
 """Convert LLaDA / Dream Hugging Face checkpoints (+ PEFT LoRA) to d2f_jax orbax directories, and back.
 
   HF -> converted:  --hf_dir DIR [--lora_dir DIR] [--merge_lora | --no-merge_lora] --out DIR
-                    [--dtype bfloat16] [--allow_pickle] [--overwrite]
+                    [--dtype bfloat16] [--allow_pickle] [--overwrite] [--allow_nonfinite]
   converted -> HF:  --to_hf --converted DIR [--out DIR] [--export_lora DIR] [--dtype D] [--max_shard_gb G]
 
 Exit status: 0 written; 2 refused input (a bad checkpoint, config, option or output directory: one line
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", help="storage dtype, e.g. bfloat16 or float32 (default: keep the source's)")
   p.add_argument("--allow_pickle", action="store_true", help="accept *.bin / *.pt weights (torch.load weights_only)")
   p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+  p.add_argument("--allow_nonfinite", action="store_true",
+                 help="convert weights holding NaN / inf (refused by default, naming the tensor), for forensics")
   p.add_argument("--to_hf", action="store_true", help="export a converted directory back to Hugging Face form")
   p.add_argument("--converted", help="converted directory to export (with --to_hf)")
   p.add_argument("--export_lora", help="with --to_hf: write the separate LoRA as a PEFT adapter here")
@@ -66,13 +68,14 @@ def main(argv: list[str] | None = None) -> None:
   parser = build_parser()
   args = parser.parse_args(argv)
   from d2f_jax.convert.errors import ConvertError, one_line  # after parsing, so --help stays fast
+  from d2f_jax.workdir_lock import WorkdirLocked
   try:
     with _sigterm_raises():
       _run(parser, args)
   except Terminated:
     print("error: stopped by SIGTERM; the partial output was removed", file=sys.stderr)
     raise SystemExit(EXIT_TERMINATED) from None
-  except (ConvertError, OSError) as e:  # every refusal names its file / tensor / field
+  except (ConvertError, OSError, WorkdirLocked) as e:  # every refusal names its file / tensor / field (or process)
     raise UsageError(one_line(e)) from None
 
 
@@ -103,6 +106,6 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
       parser.error("needs --hf_dir DIR and --out DIR (or --to_hf --converted DIR)")
     out = pipeline.convert_hf_dir(args.hf_dir, args.out, lora_dir=args.lora_dir, merge=args.merge_lora,
                                   dtype=args.dtype, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
-                                  progress=not args.no_progress)
+                                  progress=not args.no_progress, allow_nonfinite=args.allow_nonfinite)
     print(f"wrote converted: {out}")
   print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)

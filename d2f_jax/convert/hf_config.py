@@ -12,7 +12,7 @@ from typing import Any
 
 from d2f_jax.convert.validate import (ConfigError, build_model_config, check_token_ids, get_bool, get_float, get_int,
                                       get_str, read_json_object, require_object, token_id)
-from d2f_jax.models.config import ModelConfig
+from d2f_jax.models.config import ATTENTION_KINDS, ModelConfig
 
 MODEL_TYPES = {"llada": "llada", "dream": "dream"}  # config.json model_type (lower-cased) -> family
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
@@ -79,11 +79,20 @@ def _unsupported(source: str, field: str, value, why: str):
   raise ConfigError(f"{source}: {field}={value!r} is not supported ({why})")
 
 
+ATTENTION_KEY = "d2f_attention"  # config.json key this project writes: how the model was trained to attend
+
+
+def attention_of(hf: dict, source: str = "config.json") -> str:
+  """config.json's `d2f_attention` (written by the trainer's exports), else 'bidirectional': the released
+  LLaDA and Dream models are masked-diffusion models."""
+  return get_str(hf, ATTENTION_KEY, source, default="bidirectional", choices=ATTENTION_KINDS)
+
+
 def _finish(source: str, family: str, vocab: int, hf: dict, **fields) -> ModelConfig:
   ids, defaults = _token_ids(hf, family, vocab, source)
   dtype = _dtype(hf, source)
   config = build_model_config(source, vocab_size=vocab, family=family, dtype=dtype, param_dtype=dtype, **ids,
-                              **fields)
+                              attention_kind=attention_of(hf, source), **fields)
   return check_token_ids(config, source, defaults)
 
 
@@ -149,6 +158,8 @@ def hf_config_from_model(config: ModelConfig, dtype: str | None = None) -> dict[
   dtype = dtype if dtype is not None else config.param_dtype
   ids = {"mask_token_id": config.mask_token_id, "eos_token_id": config.eos_token_id,
          "pad_token_id": config.pad_token_id}
+  if config.attention_kind is not None:
+    ids[ATTENTION_KEY] = config.attention_kind
   if config.family in DEFAULT_IDS and config.eot_token_id != DEFAULT_IDS[config.family]["eot_token_id"]:
     ids["eot_token_id"] = config.eot_token_id  # not a field of the released configs; only when it differs
   if config.family == "llada":

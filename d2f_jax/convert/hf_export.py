@@ -16,9 +16,9 @@ from tqdm import tqdm
 
 from d2f_jax.convert import mapping
 from d2f_jax.convert.mapping import check_params
-from d2f_jax.convert.hf_config import check_same_shapes, hf_config_from_model
+from d2f_jax.convert.hf_config import ATTENTION_KEY, attention_of, check_same_shapes, hf_config_from_model
 from d2f_jax.convert.safetensors_io import TensorSpec, write_sharded
-from d2f_jax.convert.model_card import ATTENTION_KEY, CARD_FILE, hf_card
+from d2f_jax.convert.model_card import CARD_FILE, hf_card
 from d2f_jax.convert.util import as_numpy_dtype, assign, atomic_dir, copy_aux_files
 from d2f_jax.models.config import ModelConfig
 
@@ -60,6 +60,8 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
   hf_cfg = _load_hf_config(hf_config_json)
   if hf_cfg is not None:
     check_same_shapes(config, hf_cfg, source="hf_config_json")
+    if config.attention_kind not in (None, attention_of(hf_cfg, "hf_config_json")):  # e.g. a base's config.json:
+      hf_cfg = {**hf_cfg, ATTENTION_KEY: config.attention_kind}  # how the base attends, not this model
   entries = mapping.expected_tensors(config, order="param")
   current: dict[str, np.ndarray] = {}
 

@@ -8,6 +8,7 @@ about one copy of the model, never two.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import Counter
 
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from d2f_jax.convert import mapping
 from d2f_jax.convert.errors import CheckpointError
+from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.hf_config import declared_dtype, read_hf_config
 from d2f_jax.convert.pickle_io import PickleReader, find_pickles
 from d2f_jax.convert.safetensors_io import CheckpointReader, TensorInfo, find_safetensors
@@ -90,6 +92,22 @@ def check_tensors(infos: dict[str, TensorInfo], entries: dict[str, mapping.Entry
                             f"{np.dtype(info.dtype).name}, expected a floating-point dtype for model weights")
 
 
+def check_sizes(infos: dict[str, TensorInfo], config: ModelConfig, where: str) -> None:
+  """Refuse a config.json whose sizes are far beyond the files' headers (more layers than tensors, or over twice
+  the weights, counted in closed form) before anything loops over its layers or allocates by its sizes:
+  n_layers 10^12 grew convert past 15 GB. Smaller differences get check_tensors' exact, per-tensor message."""
+  expected = sum(math.prod(shape) for shape in mapping.param_shapes(config).values())
+  present = sum(math.prod(info.shape) for name, info in infos.items() if not name.endswith(mapping.IGNORED_SUFFIXES))
+  if config.num_layers > len(infos) or expected > 2 * present:
+    c = config
+    raise CheckpointError(
+        f"checkpoint {where!r}: config.json describes {expected:,} weights (num_layers={c.num_layers}, "
+        f"embed_dim={c.embed_dim}, num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
+        f"mlp_dim={c.mlp_dim}, vocab_size={c.vocab_size}) but the weight files' headers hold {present:,} in "
+        f"{len(infos)} tensors: "
+        "config.json does not describe these files")
+
+
 def checkpoint_dtype(infos) -> np.dtype:
   """The dtype holding most of the bytes (real checkpoints use one dtype throughout)."""
   by_bytes = Counter()
@@ -119,16 +137,18 @@ def copy_tensor(reader, info: TensorInfo, dest: np.ndarray) -> None:
 
 
 def load_hf_params(hf_dir: str, *, dtype=None, allow_pickle: bool = False, progress: bool = True,
-                   ) -> tuple[ModelConfig, dict]:
+                   allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
   """(ModelConfig, params) of a Hugging Face LLaDA / Dream directory, params as numpy arrays in our layout.
 
   dtype: storage dtype of the result ('bfloat16', 'float32', ...); default keeps the checkpoint's. The
-  returned config's `param_dtype` and `dtype` are set to it.
+  returned config's `param_dtype` and `dtype` are set to it. A NaN / inf weight is refused (NonFiniteWeights,
+  naming the tensor and index) unless `allow_nonfinite`.
   """
   hf_dir = os.fspath(hf_dir)
   config, raw = read_hf_config(hf_dir)
-  entries = mapping.expected_tensors(config)
   with open_weights(hf_dir, allow_pickle) as reader:
+    check_sizes(reader.infos, config, hf_dir)
+    entries = mapping.expected_tensors(config)
     check_tensors(reader.infos, entries, config, hf_dir, declared_dtype(raw))
     infos = [reader.infos[n] for n in entries]
     target = as_numpy_dtype(dtype) if dtype is not None else checkpoint_dtype(infos)
@@ -139,7 +159,9 @@ def load_hf_params(hf_dir: str, *, dtype=None, allow_pickle: bool = False, progr
       for entry in order:
         info = reader.infos[entry.hf]
         param = flat[entry.path]
-        copy_tensor(reader, info, entry.transform.hf_view(param[entry.layer] if entry.layer is not None else param))
+        view = entry.transform.hf_view(param[entry.layer] if entry.layer is not None else param)
+        copy_tensor(reader, info, view)
+        check_finite(info.name, view, f"checkpoint {hf_dir!r} ({os.path.basename(info.path)})", allow=allow_nonfinite)
         bar.update(info.nbytes)
   name = target.name
   return config.replace(dtype=name, param_dtype=name), mapping.unflatten(flat)

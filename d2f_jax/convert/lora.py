@@ -16,6 +16,7 @@ import numpy as np
 
 from d2f_jax.convert import mapping
 from d2f_jax.convert.errors import ConvertError
+from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.validate import build_lora_config, get_bool, get_float, get_int, read_json_object
 from d2f_jax.convert.hf_import import checkpoint_dtype, copy_tensor, is_float_dtype
 from d2f_jax.convert.pickle_io import PickleReader
@@ -134,7 +135,7 @@ def _open_adapter(adapter_dir: str, allow_pickle: bool):
 
 
 def read_peft_adapter(adapter_dir, config: ModelConfig, *, dtype=None, allow_pickle: bool = False,
-                      ) -> tuple[LoraConfig, dict]:
+                      allow_nonfinite: bool = False) -> tuple[LoraConfig, dict]:
   """(LoraConfig, {'layers': {'q_lora_a': [L, E, r], ...}}) of a PEFT adapter for a base of `config`.
 
   dtype: storage dtype of the LoRA parameters; default keeps the adapter's.
@@ -187,11 +188,12 @@ def read_peft_adapter(adapter_dir, config: ModelConfig, *, dtype=None, allow_pic
       transform = mapping.lora_transforms(target)[ab == "B"]
       dest = flat[f"layers/{target}_lora_{ab.lower()}"][layer]
       copy_tensor(reader, reader.infos[name], transform.hf_view(dest))
+      check_finite(name, transform.hf_view(dest), where, allow=allow_nonfinite)
   return lora, mapping.unflatten(flat)
 
 
 def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelConfig | None = None, *,
-               inplace: bool = False) -> dict:
+               inplace: bool = False, allow_nonfinite: bool = False) -> dict:
   """Base params with W' = W + scale * a @ b folded in (fp32 math, cast back to W's dtype), per layer.
 
   Returns a new tree; `inplace=True` overwrites the base arrays instead of allocating new ones.
@@ -211,6 +213,7 @@ def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelC
       if delta.shape != tuple(w.shape[1:]):
         raise AdapterError(f"LoRA update for layers/{t} has shape {delta.shape}, base layer shape {w.shape[1:]}")
       out[layer] = (np.asarray(w[layer], np.float32) + np.float32(lora.scale) * delta).astype(out.dtype)
+      check_finite(f"layers/{t}[{layer}] merged with its LoRA update", out[layer], "merge_lora", allow=allow_nonfinite)
     layers[t] = out
   return {**params, "layers": layers}
 

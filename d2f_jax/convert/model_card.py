@@ -4,13 +4,13 @@ it belongs to, which library reads it, and (converted) how its orbax tree is lai
 
 from __future__ import annotations
 
+from d2f_jax.convert.hf_config import ATTENTION_KEY
 from d2f_jax.convert.mapping import lora_shapes, param_shapes
 from d2f_jax.models import LoraConfig, ModelConfig
 
 CARD_FILE = "README.md"
 # config.json key naming how a model was trained to attend: 'causal', 'bidirectional' or 'block_causal'
 # (an extra key transformers ignores; decode.config.check_method_fits refuses a method that does not fit it).
-ATTENTION_KEY = "d2f_attention"
 _READS = {"llada": "GSAI-ML/LLaDA-8B-Instruct (model_type 'llada')",
           "dream": "Dream-org/Dream-v0-Base-7B (model_type 'Dream')"}
 _ATTENDS = {"bidirectional": "bidirectionally (a masked-diffusion model: every position sees every other)",

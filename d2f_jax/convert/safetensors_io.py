@@ -21,6 +21,7 @@ import safetensors
 
 from d2f_jax.convert.safetensors_format import (DTYPE_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
                                                 TensorInfo, dtype_code)
+from d2f_jax.convert.util import missing_file_error
 from d2f_jax.convert.safetensors_write import TensorSpec, plan_shards, save_file, write_file, write_sharded
 
 __all__ = [
@@ -36,7 +37,7 @@ READ_CHUNK_BYTES = 32 << 20  # bytes of one tensor read (and mapped) at a time
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
   """Tensor infos (in file order) and the `__metadata__` of one safetensors file, validated."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"safetensors file {path!r} does not exist")
+    raise missing_file_error(path, "safetensors file")
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     raw = f.read(8)

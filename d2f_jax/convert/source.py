@@ -16,7 +16,11 @@ from typing import Any
 
 from d2f_jax.convert.checkpoint import is_converted_dir, read_converted_meta, restore_converted
 from d2f_jax.convert.hf_config import read_hf_config
+from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.hf_import import load_hf_params
+from d2f_jax.convert.pickle_io import find_pickles
+from d2f_jax.convert.safetensors_io import find_safetensors
+from d2f_jax.convert.util import missing_file_error
 from d2f_jax.models import LoraConfig, ModelConfig
 
 # owner/name[@revision]: the Hub's repo id rules (letters, digits, '-', '_', '.'), a revision without spaces.
@@ -38,6 +42,8 @@ def resolve_model_dir(path_or_id, *, what: str = "model") -> str:
     return text
   if os.path.exists(text):
     raise FileNotFoundError(f"{what} {text!r} is a file, not a model directory")
+  if os.path.islink(text):  # a dangling link or a loop: say which, not "does not exist"
+    raise missing_file_error(text, f"{what} directory")
   match = HUB_ID.match(text)
   if match is None or text.startswith((".", "~")):
     raise FileNotFoundError(f"{what} directory {text!r} does not exist")
@@ -53,9 +59,29 @@ def resolve_model_dir(path_or_id, *, what: str = "model") -> str:
                             f"found {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
-def checkpoint_kind(path: str) -> str:
-  """'converted' (d2f_model.json) or 'hf' (config.json); an error naming the directory otherwise."""
+FORMATS = ("converted", "hf")
+
+
+def hf_weight_files(path: str) -> list[str]:
+  """Names of the Hugging Face weight files in `path` (safetensors, else pickles)."""
+  found = find_safetensors(path)
+  return [os.path.basename(f) for f in (found[1] if found else find_pickles(path))]
+
+
+def checkpoint_kind(path: str, format: str | None = None) -> str:  # noqa: A002 - the user-facing word
+  """'converted' (d2f_model.json) or 'hf' (config.json); an error naming the directory otherwise.
+
+  A directory holding both a converted model and Hugging Face weights is refused unless `format` says which
+  to read: silently preferring one loaded a different model than the user may have meant."""
+  if format is not None:
+    if format not in FORMATS:
+      raise ConvertError(f"format must be one of {FORMATS} or None, got {format!r}")
+    return format
   if is_converted_dir(path):
+    weights = hf_weight_files(path)
+    if weights:
+      raise ConvertError(f"{path!r} holds both a converted model (d2f_model.json) and a Hugging Face checkpoint "
+                         f"({', '.join(weights[:3])}); say which to load: format='converted' or format='hf'")
     return "converted"
   if os.path.isfile(os.path.join(path, "config.json")):
     return "hf"
@@ -63,23 +89,27 @@ def checkpoint_kind(path: str) -> str:
                           "checkpoint (config.json)")
 
 
-def read_model_config(path: str) -> tuple[ModelConfig, LoraConfig | None]:
+def read_model_config(path: str, format: str | None = None) -> tuple[ModelConfig, LoraConfig | None]:  # noqa: A002
   """(config, LoRA config or None) of a resolved model directory, without reading any weights."""
-  if checkpoint_kind(path) == "converted":
+  if checkpoint_kind(path, format) == "converted":
     config, lora, _ = read_converted_meta(path)
     return config, lora
   return read_hf_config(path)[0], None
 
 
-def load_params(path: str, dtype=None, *, target: Any = None, allow_pickle: bool = False, progress: bool = False
+def load_params(path: str, dtype=None, *, target: Any = None, allow_pickle: bool = False, progress: bool = False,
+                allow_nonfinite: bool = False, format: str | None = None,  # noqa: A002
                 ) -> tuple[ModelConfig, Any, LoraConfig | None, Any]:
   """(config, params, LoRA config, LoRA params) of a resolved model directory.
 
   target: for a converted directory, the abstract tree with shardings that orbax restores straight into;
-  an HF checkpoint is streamed to host numpy arrays (the caller places them)."""
-  if checkpoint_kind(path) == "converted":
-    return restore_converted(path, dtype=dtype, target=target)
-  config, params = load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+  an HF checkpoint is streamed to host numpy arrays (the caller places them). NaN / inf weights are refused
+  (convert/finite.py) unless `allow_nonfinite`. format: 'converted' or 'hf' for a directory holding both.
+  """
+  if checkpoint_kind(path, format) == "converted":
+    return restore_converted(path, dtype=dtype, target=target, allow_nonfinite=allow_nonfinite)
+  config, params = load_hf_params(path, dtype=dtype, allow_pickle=allow_pickle, progress=progress,
+                                  allow_nonfinite=allow_nonfinite)
   return config, params, None, None
 
 

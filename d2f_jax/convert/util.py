@@ -9,6 +9,7 @@ process that was killed outright (SIGKILL, power loss) is removed by the next co
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import logging
 import os
@@ -30,6 +31,20 @@ import numpy as np
 AUX_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template*",
                 "generation_config.json", "*.py")
+
+
+def missing_file_error(path: str, what: str) -> FileNotFoundError:
+  """Why `path` cannot be opened, in words: a symlink loop or a dangling symlink is said so (both used to be
+  reported as "does not exist", sending the user to look for a file that is there)."""
+  if os.path.islink(path):
+    try:
+      os.stat(path)
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        return FileNotFoundError(f"{path} is a symlink loop (it points to {os.readlink(path)!r}, which leads back "
+                                 f"to itself): {what} cannot be read through it")
+      return FileNotFoundError(f"{path} is a symlink to {os.readlink(path)!r}, which does not exist")
+  return FileNotFoundError(f"{what} {path!r} does not exist")
 
 
 def as_numpy_dtype(dtype) -> np.dtype:

@@ -16,7 +16,7 @@ from typing import Any
 
 from d2f_jax.convert.errors import ConvertError, one_line
 from d2f_jax.kernels.common import ATTENTION_IMPLS
-from d2f_jax.models.config import LoraConfig, ModelConfig
+from d2f_jax.models.config import ATTENTION_KINDS, LoraConfig, ModelConfig
 
 _MISSING = object()
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "eot_token_id")
@@ -178,6 +178,8 @@ def model_config_from_dict(raw: Any, source: str, field: str = "config") -> Mode
       values[name] = get_str(sub, label, source, choices=("llada", "dream", "custom"))
     elif name == "attention_impl":
       values[name] = get_str(sub, label, source, choices=ATTENTION_IMPLS)
+    elif name == "attention_kind":
+      values[name] = get_str(sub, label, source, default=None, choices=ATTENTION_KINDS)
     else:
       values[name] = get_str(sub, label, source)
   return check_token_ids(build_model_config(source, **values), source)

@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.convert.model_card import ATTENTION_KEY  # config.json: how a model was trained to attend
+from d2f_jax.convert.hf_config import ATTENTION_KEY  # config.json: how a model was trained to attend
 from d2f_jax.models import ModelConfig
 
 Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
@@ -216,7 +216,11 @@ def window_widths_for(widths: tuple[int, ...] | None, window_blocks: int) -> tup
 
 
 def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs]:
-  """Split a validated user config into the static spec and the traced knobs for `model`."""
+  """Split a validated user config into the static spec and the traced knobs for `model`; a method that does
+  not fit how the model attends (ModelConfig.attention_kind, when known) is refused here, so every caller of
+  `generate` gets the check, not only the CLIs."""
+  if model.attention_kind is not None:
+    check_method_fits(model, config, model.attention_kind)
   run = config.effective()
   stops = stop_ids_for(run, model)
   bad = [t for t in stops if t >= model.vocab_size]
@@ -240,9 +244,11 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
 
 
 def model_attention(model) -> str | None:
-  """How a loaded model attends, from its directory's config.json: the ATTENTION_KEY written by the
-  trainer glue, else 'bidirectional' for the LLaDA / Dream families (the released models are); None when
-  unknown (a model built in memory)."""
+  """How a loaded model attends: its ModelConfig.attention_kind (every loader sets it), else its directory's
+  config.json: the ATTENTION_KEY written by the trainer glue, else 'bidirectional' for the LLaDA / Dream
+  families (the released models are); None when unknown (a model built in memory)."""
+  if getattr(model.config, "attention_kind", None) is not None:
+    return model.config.attention_kind
   source = getattr(model, "source", "") or ""
   path = os.path.join(source, "config.json")
   if not source or not os.path.isfile(path):
@@ -267,10 +273,10 @@ def check_method_fits(model: ModelConfig, config: DecodeConfig, attention: str |
                        f"{model.mask_token_id} is outside its vocabulary of {model.vocab_size}")
     if attention == "causal":
       raise ValueError(f"DecodeConfig.method={config.method!r} needs a masked-diffusion (bidirectional) model, "
-                       f"but this model was trained causally (config.json {ATTENTION_KEY}='causal'); "
-                       "decode it with method='ar'")
+                       f"but this model was trained causally (ModelConfig.attention_kind='causal', from config.json "
+                       f"{ATTENTION_KEY} or d2f_model.json); decode it with method='ar'")
   elif config.method == "ar" and attention is not None and attention != "causal":
     raise ValueError(f"DecodeConfig.method='ar' needs a causal model, but this model attends "
-                     f"{attention.replace('_', '-')} (config.json {ATTENTION_KEY}={attention!r}, "
-                     "or a LLaDA / Dream model); "
+                     f"{attention.replace('_', '-')} (ModelConfig.attention_kind={attention!r}: config.json "
+                     f"{ATTENTION_KEY}, d2f_model.json, or a LLaDA / Dream model); "
                      "use a diffusion method (d2f, threshold, vanilla, dream_vanilla)")

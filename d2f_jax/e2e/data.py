@@ -7,6 +7,7 @@ training: the model learns to stop), with per-row prompt lengths; the trainers' 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from d2f_jax.tasks import arithmetic, tokenizer
 def write_tokenizer(directory: str) -> str:
   tok = tokenizer.build_tokenizer()
   if not os.path.exists(os.path.join(directory, "tokenizer.json")):
-    tmp = f"{directory}.tmp"
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory) or ".")
     tok.save_pretrained(tmp)
     os.replace(tmp, directory)
   return directory
@@ -46,7 +47,8 @@ def write_training_data(path: str, *, seed: int, train: int, test: int, seq_len:
     return path
   problems, _ = arithmetic.split(seed, train, test, min_steps=min_steps, max_steps=max_steps)
   tokens, prompt_len = encode_rows(problems, seq_len)
-  tmp = f"{path}.tmp.npz"
-  np.savez(tmp, tokens=tokens, prompt_len=prompt_len)
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp.npz", dir=os.path.dirname(path) or ".")
+  with os.fdopen(fd, "wb") as f:
+    np.savez(f, tokens=tokens, prompt_len=prompt_len)
   os.replace(tmp, path)
   return path

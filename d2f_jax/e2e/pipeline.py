@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 import d2f_jax
+from d2f_jax import workdir_lock
 from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.decode.config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
@@ -103,15 +104,72 @@ def mark_attention(export_dir: str, kind: str) -> None:
     write_json(path, hf)
 
 
-def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
-  """Run (or resume, or skip) one training stage; returns (export dir, summary)."""
+class StageConfigChanged(ValueError):
+  """A finished stage whose recorded config differs from the requested one; names the differing fields."""
+
+
+PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are, not what was trained
+
+
+def stage_identity(config, upstream: dict | None = None, data: dict | None = None) -> dict:
+  """What a stage's result depends on, flat: its Trainer config (paths left out: they follow the workdir),
+  the fields the training data was generated from, and its initialising stage's identity (`init.*`)."""
+  fields = {k: v for k, v in _flat(config.to_dict()).items() if k not in PATH_FIELDS}
+  fields.update({f"data_source.{k}": v for k, v in _flat(data or {}).items()})
+  fields.update({f"init.{k}": v for k, v in (upstream or {}).items()})
+  return json.loads(json.dumps(fields, default=str))  # as it reads back from stage_done.json
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = list(value) if isinstance(value, tuple) else value
+  return out
+
+
+def _differences(done: dict, identity: dict, config) -> list[str]:
+  """'field: finished X, requested Y' for each field the finished stage differs in. A marker from before
+  configs were recorded holds only the objective and the steps: those are compared."""
+  saved = done.get("config")
+  if not isinstance(saved, dict):
+    saved = {"objective": done.get("objective"), "total_steps": done.get("steps")}
+    identity = {"objective": config.objective, "total_steps": config.total_steps}
+  absent = "absent"
+  return [f"{k}: finished {saved.get(k, absent)}, requested {identity.get(k, absent)}"
+          for k in sorted(set(saved) | set(identity)) if k not in saved or k not in identity or saved[k] != identity[k]]
+
+
+def train_stage(name: str, config, workdir: str, identity: dict | None = None, rerun: bool = False
+                ) -> tuple[str, dict]:
+  """Run (or resume, or reuse) one training stage; returns (export dir, summary).
+
+  A finished stage is reused only when its recorded identity (stage_identity) equals the requested one;
+  otherwise StageConfigChanged names the differing fields: reusing it wrote a config into results.json that
+  did not run. `rerun`: move the stage's directory aside (`<stage>.old-<time>`, never deleted) and train it
+  afresh."""
+  identity = identity if identity is not None else stage_identity(config)
   stage_dir = os.path.join(workdir, name)
   done_marker = os.path.join(stage_dir, "stage_done.json")
   export_dir = os.path.join(stage_dir, "adapter" if config.finetune == "lora" else "hf")
-  if os.path.exists(done_marker):
-    say(f"stage {name}: already finished ({export_dir})")
+  if rerun and os.path.exists(stage_dir):
+    aside = f"{stage_dir}.old-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    os.rename(stage_dir, aside)
+    say(f"stage {name}: rerun requested; moved its previous directory to {aside}")
+  elif os.path.exists(done_marker):
     with open(done_marker) as f:
-      return export_dir, {**json.load(f), "skipped": True}
+      done = json.load(f)
+    diffs = _differences(done, identity, config)
+    if diffs:
+      raise StageConfigChanged(
+          f"stage {name} in {workdir} finished with another config ({done_marker}): " + "; ".join(diffs[:8])
+          + (f" (and {len(diffs) - 8} more)" if len(diffs) > 8 else "") + f". Rerun it with --config.rerun={name} "
+          "(its directory is moved aside, as are those of stages started from it, by naming them too), or use "
+          "another --workdir")
+    say(f"stage {name}: already finished with this config ({export_dir})")
+    return export_dir, {**{k: v for k, v in done.items() if k != "config"}, "skipped": True}
   start = time.perf_counter()
   trainer = Trainer(config, stage_dir)  # resumes from the stage's newest checkpoint, if any
   try:
@@ -126,7 +184,7 @@ def train_stage(name: str, config, workdir: str) -> tuple[str, dict]:
   summary = {"objective": config.objective, "steps": config.total_steps,
              "seconds": round(time.perf_counter() - start, 1),
              **{k: v for k, v in last.items() if k.startswith(("loss", "eval_"))}}
-  write_json(done_marker, summary)
+  write_json(done_marker, {**summary, "config": identity})
   say(f"stage {name}: done in {summary['seconds']:.0f}s, " + ", ".join(
       f"{k}={v:.4g}" for k, v in summary.items() if k.startswith("eval_")))
   return export_dir, summary
@@ -155,7 +213,13 @@ def stages(c) -> list[tuple[str, str, dict]]:
 
 
 def run(c, workdir: str) -> dict:
-  """The whole reproduction into `workdir`; returns the results payload (also written as files)."""
+  """The whole reproduction into `workdir`; returns the results payload (also written as files). A workdir
+  another live process runs in is refused (workdir_lock.WorkdirLocked)."""
+  with workdir_lock.hold(workdir, what="main job workdir"):
+    return _run(c, workdir)
+
+
+def _run(c, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   data_dir = os.path.join(workdir, "data")
   os.makedirs(data_dir, exist_ok=True)
@@ -164,15 +228,23 @@ def run(c, workdir: str) -> dict:
   data_path = data_lib.write_training_data(
       os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
       min_steps=c.task.min_steps, max_steps=c.task.max_steps)
-  exports, summaries = {}, {}
+  exports, summaries, identities = {}, {}, {}
   plan = stages(c)
+  rerun = {s.strip() for s in str(c.get("rerun", "") or "").split(",") if s.strip()}
+  unknown = rerun - {name for name, _, _ in plan} - {"all"}
+  if unknown:
+    raise StageConfigChanged(f"config.rerun names unknown stage(s) {sorted(unknown)}; stages: "
+                             f"{[name for name, _, _ in plan]} (or 'all')")
+  data_fields = {"seed": c.seed, "task": c.task.to_dict(), "seq_len": c.seq_len}
   for i, (name, what, kw) in enumerate(plan):
     kw = dict(kw)
     init = kw.pop("init", None)
     say(f"stage {i + 1}/{len(plan)} {name}: {what}, {kw['steps']} steps (progress bar '{kw['objective']}')")
-    exports[name], summaries[name] = train_stage(name, stage_config(
-        c, data_path=data_path, tokenizer_dir=tokenizer_dir, model_path=exports[init] if init else None, **kw),
-        workdir)
+    config = stage_config(c, data_path=data_path, tokenizer_dir=tokenizer_dir,
+                          model_path=exports[init] if init else None, **kw)
+    identities[name] = stage_identity(config, identities.get(init), data_fields)
+    exports[name], summaries[name] = train_stage(name, config, workdir, identities[name],
+                                                 rerun=name in rerun or "all" in rerun)
 
   student_dir = exports["student"]
   models = {"teacher": d2f_jax.load_model(exports["teacher"]), "ar": d2f_jax.load_model(exports["ar"]),

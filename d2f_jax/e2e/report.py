@@ -8,7 +8,7 @@ import numpy as np
 
 from d2f_jax.reporting import environment, format_table
 from d2f_jax.e2e import projection
-from d2f_jax.reporting import write_json
+from d2f_jax.reporting import write_json, write_text
 
 # (column title, row key, format)
 TABLE = [("method", "method", "{}"), ("model", "model", "{}"), ("settings", "settings", "{}"),
@@ -157,7 +157,4 @@ def _fmt(value) -> str:
 
 
 def _atomic_write(path: str, text: str) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  write_text(path, text)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from d2f_jax.kernels.common import ATTENTION_IMPLS
 
 Family = Literal["llada", "dream", "custom"]
+# How a model was trained to attend; decoding refuses a method that does not fit it (decode/config.py).
+ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
 # GPU/TPU and the reference on CPU, "pallas" = kernels always, "interpret_*" = kernels in a CPU interpreter.
 
@@ -49,6 +51,11 @@ class ModelConfig:
   # Positions the model was trained for (config.json's max_sequence_length / max_position_embeddings):
   # decoding refuses rows that would run past them. None: unchecked.
   max_positions: int | None = None
+  # How the model was trained to attend (one of ATTENTION_KINDS), so that `decode.generate` itself refuses a
+  # method that cannot work with it ('ar' on a masked-diffusion model decodes garbage). Set by every loader
+  # (config.json `d2f_attention`, else 'bidirectional' for the released LLaDA / Dream; d2f_model.json) and by the
+  # trainer from its objective. None: unknown (a model built in memory), nothing is checked.
+  attention_kind: str | None = None
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -67,6 +74,8 @@ class ModelConfig:
         jnp.dtype(getattr(self, field))
       except TypeError as e:
         raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not a dtype name") from e
+    if self.attention_kind is not None and self.attention_kind not in ATTENTION_KINDS:
+      raise ValueError(f"ModelConfig.attention_kind must be one of {ATTENTION_KINDS} or None, got {self.attention_kind!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 

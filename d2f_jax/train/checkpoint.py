@@ -7,15 +7,23 @@ written. A SIGTERM (single process) or JAX's preemption sync point (multi-host, 
 runtime turns the notice into an agreed step) makes the loop save and stop at a step boundary.
 
 `restore_newest` tries the newest checkpoint first; one that cannot be read (a truncated file, an empty
-`data/metadata`, a missing `state/_METADATA`) is reported and the next older one is tried. Unreadable newer
+`data/metadata`, a missing `state/_METADATA`), whose arrays or data position do not match the digests saved
+with them (`digest`, see digest.py), or whose data position is not one the run's iterator can take, is
+reported and the next older one is tried. Unreadable newer
 ones are then moved to `<checkpoints>.corrupt/` (never deleted), so the run continues from the newest intact
 step and later saves cannot collide with them. Shapes that do not fit the run's config are a different
 error (`CheckpointMismatch`, naming each parameter): that is the config's fault, not the files'.
+
+A save that cannot be written (disk full, permissions: any OSError, also from the async writer) raises
+CheckpointWriteError naming the path and errno, after removing the partial `*.orbax-checkpoint-tmp*`
+directories; the older checkpoints are intact and a rerun resumes from them.
 """
 
 from __future__ import annotations
 
 import logging
+import errno
+import glob
 import os
 import shutil
 import signal
@@ -25,6 +33,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from d2f_jax.train import digest as digest_lib
 from d2f_jax.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -36,6 +45,25 @@ class CheckpointMismatch(ValueError):
 
 class CorruptCheckpoints(RuntimeError):
   """No checkpoint of a workdir can be read."""
+
+
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (an OSError such as ENOSPC); the message names the path and errno."""
+
+
+def _os_error(error: BaseException) -> OSError | None:
+  """The OSError behind `error` (orbax wraps the async writer's in its own), or None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno is not None:
+      return error
+    for inner in getattr(error, "exceptions", ()):  # an ExceptionGroup
+      found = _os_error(inner)
+      if found is not None:
+        return found
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def _short(error: BaseException, limit: int = 300) -> str:
@@ -66,7 +94,8 @@ class Checkpointer:
   def _open(self) -> ocp.CheckpointManager:
     # Handlers named up front (not only through the save / restore args), so a fresh manager can read the
     # arrays' metadata before anything is restored.
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "digest": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
@@ -101,9 +130,11 @@ class Checkpointer:
       raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} does not fit this config: "
                                + "; ".join(diffs[:6]) + more)
 
-  def restore_newest(self, abstract: TrainState) -> tuple[int, TrainState, dict] | None:
+  def restore_newest(self, abstract: TrainState, data_template: dict | None = None
+                     ) -> tuple[int, TrainState, dict] | None:
     """(step, state, data position) of the newest readable checkpoint, or None when there is none.
 
+    data_template: a fresh data iterator's position; a saved one of another form counts as damage.
     Unreadable newer checkpoints are logged and moved aside; if none can be read, CorruptCheckpoints is
     raised and nothing is moved (then the cause is likely not the files)."""
     failures: list[tuple[int, BaseException]] = []
@@ -111,9 +142,10 @@ class Checkpointer:
       self.check_shapes(step, abstract)
       try:
         state, data = self.restore(step, abstract)
+        digest_lib.check_data_position(data, data_template, os.path.join(self.directory, str(step)))
       except Exception as e:  # noqa: BLE001 - orbax / tensorstore / JSON errors of damaged files
-        log.warning("checkpoint step %d in %s is unreadable (%s); trying the next older one", step,
-                    self.directory, _short(e))
+        log.warning("checkpoint step %d (%s) is unreadable (%s); trying the next older one", step,
+                    os.path.join(self.directory, str(step)), _short(e))
         failures.append((step, e))
         continue
       if failures:
@@ -139,21 +171,63 @@ class Checkpointer:
     self.manager = self._open()
 
   def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
-    """Save if `step` is due (or `force`); returns whether a save started."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state.to_dict()), data=ocp.args.JsonSave(data_state))
-    return self.manager.save(step, args=args, force=force)
+    """Save if `step` is due (or `force`), with the digests of its arrays and data position; returns whether
+    a save started. CheckpointWriteError when this save or the previous async one could not be written."""
+    if not force and not self.manager.should_save(step):
+      return False
+    tree = state.to_dict()
+    args = ocp.args.Composite(state=ocp.args.StandardSave(tree), data=ocp.args.JsonSave(data_state),
+                              digest=ocp.args.JsonSave(digest_lib.make(tree, data_state)))
+    return self._writing(step, lambda: self.manager.save(step, args=args, force=force))
+
+  def _writing(self, step: int | None, write):
+    """Run `write`; an OSError in it (or surfacing from an earlier async save) becomes one CheckpointWriteError
+    naming the path and errno, after the partial temporary directories are removed."""
+    try:
+      return write()
+    except Exception as e:  # noqa: BLE001 - only OSErrors are turned into a write error
+      cause = _os_error(e)
+      if cause is None:
+        raise
+      removed = self._remove_partial()
+      code = errno.errorcode.get(cause.errno, str(cause.errno))
+      where = cause.filename or self.directory  # an async save's error surfaces at the next save or wait
+      steps = [s for s in self.all_steps() if os.path.isdir(os.path.join(self.directory, str(s)))]
+      raise CheckpointWriteError(
+          f"cannot write a checkpoint in {self.directory}: {where}: [Errno {cause.errno} {code}] "
+          f"{cause.strerror or cause}; removed the partial {', '.join(map(os.path.basename, removed)) or 'nothing'}; "
+          f"the checkpoints already written ({', '.join(map(str, steps)) or 'none'}) are intact: free the space and "
+          "rerun to resume") from e
+
+  def _remove_partial(self) -> list[str]:
+    if jax.process_index() != 0:
+      return []
+    partial = sorted(glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")))
+    for path in partial:
+      shutil.rmtree(path, ignore_errors=True)
+    return partial
 
   def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict]:
-    """(state laid out like `abstract`'s shardings, data position) of checkpoint `step`."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract.to_dict()),
-                                                                  data=ocp.args.JsonRestore()))
+    """(state laid out like `abstract`'s shardings, data position) of checkpoint `step`, checked against the
+    digests saved with it (DigestMismatch); a checkpoint from before digests were kept is restored unchecked."""
+    where = os.path.join(self.directory, str(step))
+    items = dict(state=ocp.args.StandardRestore(abstract.to_dict()), data=ocp.args.JsonRestore())
+    checked = os.path.isdir(os.path.join(where, "digest"))
+    if checked:
+      items["digest"] = ocp.args.JsonRestore()
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    if checked:
+      digest_lib.verify(restored["digest"], restored["state"], restored["data"], where)
+    else:
+      log.warning("checkpoint step %d in %s has no digest (written before digests were kept): restored unchecked",
+                  step, self.directory)
     return TrainState.from_dict(restored["state"]), restored["data"]
 
   def reached_preemption(self, step: int) -> bool:
     return self.manager.reached_preemption(step)
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    self._writing(None, self.manager.wait_until_finished)
 
   def close(self) -> None:
     self.manager.close()

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from d2f_jax import convert
+from d2f_jax.convert.finite import check_tree
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, preset
 from d2f_jax import sharding
 
@@ -175,6 +176,7 @@ def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_d
   host = gather_to_host(trainable)
   if jax.process_index() != 0:
     return None
+  check_tree(host, f"export to {out_dir}", hint="Nothing was exported")  # a NaN / inf weight is never written out
   if models.lora is not None:
     return convert.export_peft_adapter(out_dir, models.config, models.lora, host, base_model_name_or_path=base_dir,
                                        overwrite=True)

@@ -29,7 +29,7 @@ class Objective:
   denominator: str  # the entry of sums that the summed 'ce' (and its gradient) is divided by
   summarize: Callable  # sums -> metrics, 'loss' first
   teacher: bool  # holds a frozen teacher (counted in FLOPs, kept beside a full fine-tune)
-  attention: str  # how the trained model attends, recorded in its export's config.json (ATTENTION_KEY)
+  attention: str  # how the trained model attends: its ModelConfig.attention_kind in exports (ATTENTION_KEY)
 
 
 def _distill_prepare(spec, key, batch):

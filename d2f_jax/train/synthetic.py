@@ -3,13 +3,13 @@ JSONL over its words, so `configs/tiny.py` exercises the real loading and tokeni
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from d2f_jax.convert import synthetic
 from d2f_jax.models import ModelConfig
+from d2f_jax.reporting import write_jsonl
 
 
 def write_qa_jsonl(path: str, config: ModelConfig, num_examples: int, seed: int, max_words: int = 8) -> str:
@@ -17,13 +17,12 @@ def write_qa_jsonl(path: str, config: ModelConfig, num_examples: int, seed: int,
   successor word, so answers depend on the whole question (a task that needs the prompt)."""
   rng = np.random.default_rng(seed)
   top = min(config.mask_token_id, config.eos_token_id, config.pad_token_id) - 2
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    for _ in range(num_examples):
-      words = rng.integers(10, top, size=rng.integers(3, max_words + 1))
-      answer = " ".join(f"w{w} w{w + 1}" for w in words[::-1])
-      f.write(json.dumps({"question": " ".join(f"w{w}" for w in words), "answer": answer}) + "\n")
-  os.replace(tmp, path)
+  rows = []
+  for _ in range(num_examples):
+    words = rng.integers(10, top, size=rng.integers(3, max_words + 1))
+    answer = " ".join(f"w{w} w{w + 1}" for w in words[::-1])
+    rows.append({"question": " ".join(f"w{w}" for w in words), "answer": answer})
+  write_jsonl(path, rows)
   return path
 
 

@@ -27,6 +27,8 @@ from tqdm import tqdm
 
 from d2f_jax import convert, sharding
 from d2f_jax.models import LoraConfig
+from d2f_jax import workdir_lock
+from d2f_jax.reporting import write_text
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
@@ -64,6 +66,16 @@ class Trainer:
     self.is_main = jax.process_index() == 0
     self.preempted = False  # set when run() stopped early on SIGTERM / a preemption notice (checkpoint saved)
     os.makedirs(self.workdir, exist_ok=True)
+    # One process per workdir (process 0 for all hosts): two runs would write each other's checkpoints.
+    self._lock = workdir_lock.acquire(self.workdir, what="training workdir") if self.is_main else None
+    try:
+      self._setup()
+    except BaseException:
+      self._release_lock()
+      raise
+
+  def _setup(self) -> None:
+    config = self.config
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), every=config.checkpoint.every,
                                      keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
     config_lib.check_resume(self.workdir, config, self.checkpointer.latest_step())  # before anything is written
@@ -74,10 +86,7 @@ class Trainer:
     self._setup_data(data_path)
     self._setup_state()
     if self.is_main:  # the restored checkpoint fits: from now on this config is the run's
-      tmp = os.path.join(self.workdir, "config.json.tmp")
-      with open(tmp, "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-      os.replace(tmp, os.path.join(self.workdir, "config.json"))
+      write_text(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2))
     self.writer = metrics_lib.Writer(self.workdir)
     self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
                                                              self.models.lora, teacher=self.models.teacher)
@@ -108,8 +117,9 @@ class Trainer:
     with model_cfg.unlocked():
       model_cfg.path = self.model_path
     obj = objectives.get(c.objective)
-    base = model_config(model_cfg, remat=c.remat, resolved_dir=self.model_path)
-    self.models = TrainModels.create(base, lora_config(c), c.train_dtype, teacher=obj.teacher)
+    # The trained model attends as its objective teaches it (written into its exports' configs).
+    trained = model_config(model_cfg, remat=c.remat, resolved_dir=self.model_path).replace(attention_kind=obj.attention)
+    self.models = TrainModels.create(trained, lora_config(c), c.train_dtype, teacher=obj.teacher)
     self.base_shardings = sharding.state_shardings(self.models.abstract_base(), self.mesh, self.rules)
     self.frozen = self._load_base() if self.models.keeps_base else {}
     self.spec = spec_from_config(c, self.models, self.mesh, self.rules)
@@ -141,7 +151,7 @@ class Trainer:
   def _setup_state(self) -> None:
     """The newest checkpoint's state and data position, or a fresh state; both land in their shardings."""
     target = abstract_state(self.models, self.spec.optim, self.mesh, self.rules)
-    restored = self.checkpointer.restore_newest(target)
+    restored = self.checkpointer.restore_newest(target, data_template=self.data.get_state())
     if restored is None:
       if self.models.keeps_base:
         base = self.frozen
@@ -268,6 +278,14 @@ class Trainer:
                      newest_checkpoint=self.checkpointer.latest_step())
 
   def close(self) -> None:
-    self.checkpointer.wait()
-    self.checkpointer.close()
-    self.writer.close()
+    try:
+      self.checkpointer.wait()
+      self.checkpointer.close()
+      self.writer.close()
+    finally:
+      self._release_lock()
+
+  def _release_lock(self) -> None:
+    if self._lock is not None:
+      workdir_lock.release(self._lock)
+      self._lock = None

@@ -1,0 +1,94 @@
+"""Checkpoints that were damaged on disk, or cannot be written: a digest of every saved array and of the data
+position catches damage orbax cannot see (the step is moved aside and the previous one resumed), a data
+position of the wrong form is damage too, and a full disk is one error naming the path and errno."""
+
+import errno
+import logging
+import os
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from d2f_jax.train.state import abstract_state
+from d2f_jax.train.trainer import Trainer
+from test_robust_train import state_files, tiny_config
+
+STEPS = 4  # checkpoints 1, 2, 4 (every 2, orbax always saves the first)
+
+
+@pytest.fixture(scope="session")  # shared with test_fuzz_checkpoint.py
+def saved(tmp_path_factory):
+  """A workdir stopped after step 4, the abstract state to restore into, and each step's state as saved."""
+  workdir = str(tmp_path_factory.mktemp("saved"))
+  trainer = Trainer(tiny_config(), workdir)
+  trainer.run(num_steps=STEPS)
+  trainer.close()
+  target = abstract_state(trainer.models, trainer.spec.optim, trainer.mesh, trainer.rules)
+  reference = {step: _leaves(trainer.checkpointer.restore(step, target)[0]) for step in (2, 4)}
+  return workdir, target, trainer.data.get_state(), reference
+
+
+@pytest.fixture
+def crashed(saved, tmp_path):
+  return shutil.copytree(saved[0], tmp_path / "work")
+
+
+def _leaves(state) -> list[bytes]:
+  return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
+          for x in jax.tree.leaves(state.to_dict())]
+
+
+def _resumed_step(workdir, caplog) -> tuple[int, str]:
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    trainer = Trainer(tiny_config(), str(workdir))
+  trainer.close()
+  return trainer.step, caplog.text
+
+
+def test_flipped_bytes_in_an_array_file_are_caught_by_its_digest(crashed, caplog):
+  victim = state_files(crashed, 4)[-1]  # the biggest array file of the newest step, as in the issue
+  blob = bytearray(open(victim, "rb").read())
+  middle = len(blob) // 2
+  blob[middle:middle + 64] = bytes(b ^ 0xFF for b in blob[middle:middle + 64])
+  open(victim, "wb").write(bytes(blob))
+  step, text = _resumed_step(crashed, caplog)
+  assert step == 2, text
+  assert "does not match its sha256 digest" in text and "resuming from step 2" in text
+  assert [p.split("-")[0] for p in os.listdir(crashed / "checkpoints.corrupt")] == ["4"]
+
+
+def test_a_data_position_replaced_by_other_valid_json_falls_back_naming_the_file(crashed, caplog):
+  (crashed / "checkpoints" / "4" / "data" / "metadata").write_text('{"position": 3}')
+  step, text = _resumed_step(crashed, caplog)
+  assert step == 2, text
+  assert os.path.join(str(crashed), "checkpoints", "4", "data", "metadata") in text and "resuming from step 2" in text
+
+
+def _disk_full(monkeypatch):
+  async def full(self, x, directory):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
+
+
+def test_a_full_disk_during_a_save_is_one_error_naming_path_and_errno(tmp_path, monkeypatch, capsys):
+  """The CLI (in process): one `error:` line with the path and ENOSPC, exit 2, no partial checkpoint left."""
+  from types import SimpleNamespace
+  from d2f_jax import distill
+  workdir = tmp_path / "run"
+  _disk_full(monkeypatch)
+  monkeypatch.setattr(distill, "_CONFIG", SimpleNamespace(value=tiny_config(total_steps=2)))
+  monkeypatch.setattr(distill, "_WORKDIR", SimpleNamespace(value=str(workdir)))
+  with pytest.raises(SystemExit) as exit_info:
+    distill.main(["distill"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("error: ")]
+  assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+  assert f"{workdir}/checkpoints" in lines[0] and "[Errno 28 ENOSPC] No space left on device" in lines[0], lines
+  assert "1.orbax-checkpoint-tmp" in lines[0], lines  # the path that could not be written
+  assert not [p for p in os.listdir(workdir / "checkpoints") if "orbax-checkpoint-tmp" in p]
+  assert not os.path.exists(workdir / ".d2f_jax.lock")
