@@ -57,7 +57,9 @@ class Model:
 
   @property
   def module(self) -> Transformer:
-    return nnx.merge(self.graphdef, self.state)
+    """The model as an nnx module over fresh Variables: changing it (e.g. scaling a weight) leaves this frozen
+    handle's state as it was."""
+    return nnx.merge(self.graphdef, jax.tree.map(lambda x: x, self.state))
 
   def shard(self, mesh, rules=None) -> "Model":
     """A copy with its weights in the logical `rules`' shardings on `mesh` (default rules: training's)."""

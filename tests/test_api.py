@@ -120,3 +120,15 @@ def test_generate_text_is_the_id_level_decode_through_the_tokenizer(tmp_path):
     model.generate([1, 2, 3])
   with pytest.raises(ValueError, match="block_size"):
     model.generate("w5", block_size=3, max_new_tokens=8)
+
+
+def test_changing_the_module_leaves_the_handle_as_it_was():
+  """Model.module is over fresh Variables: a frozen handle's weights cannot change behind its back."""
+  from d2f_jax.api import Model
+  from model_utils import random_model
+  model = Model.from_module(random_model(TINY_LLADA, seed=0))
+  before = np.asarray(model.state["lm_head"][...]).copy()
+  module = model.module
+  module.lm_head[...] = module.lm_head[...] * 4.0
+  np.testing.assert_array_equal(np.asarray(model.state["lm_head"][...]), before)
+  np.testing.assert_array_equal(np.asarray(Model.from_module(module).state["lm_head"][...]), before * 4.0)

@@ -215,3 +215,19 @@ def test_bad_model_args_are_named(model):
   with pytest.raises(ValueError, match="exactly one of pretrained"):
     D2FJaxLM()
   assert cut_at_stops("a\nQuestion: b", ["Question:", "zz"]) == "a\n" and cut_at_stops("abc", []) == "abc"
+
+
+def test_generate_until_at_batch_above_one_goes_through_the_engine_with_batch_one_text(model):
+  """batch_size 3 feeds the requests through a 3-slot engine: each continuation is the batch-1 one (a 4x head
+  keeps the random model's greedy choices clear of near-ties)."""
+  from d2f_jax.api import Model
+  from d2f_jax.evals.lm_eval_model import D2FJaxLM
+  module = model.module
+  module.lm_head[...] = module.lm_head[...] * 4.0
+  model = Model.from_module(module, model.tokenizer)
+  requests = [_Request(context, {"until": [], "max_gen_toks": 8}) for context in
+              ("w5 w6 w7", "w9 w10", "w11 w12 w13 w14", "w5 w20", "w3")]
+  one = D2FJaxLM(model=model, block_size=8, prompt_buckets=256, batch_size=1, tau_conf=0.5)
+  three = D2FJaxLM(model=model, block_size=8, prompt_buckets=256, batch_size=3, tau_conf=0.5)
+  texts = three.generate_until(requests, disable_tqdm=True)
+  assert texts == one.generate_until(requests, disable_tqdm=True) and any(texts)

@@ -10,7 +10,6 @@ the orbax save of the same state to a local temporary directory.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -20,6 +19,7 @@ import numpy as np
 from d2f_jax.convert.mapping import lora_shapes
 from d2f_jax.models import LLADA_8B, LoraConfig
 from d2f_jax.reporting import write_report
+from d2f_jax.usage import ArgumentParser
 from d2f_jax.train import digest
 
 
@@ -41,11 +41,11 @@ def _best(fn, repeats: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog="python -m d2f_jax.bench checkpoint", description=__doc__.split("\n")[0])
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--rank", type=int, default=32)
+  parser = ArgumentParser("python -m d2f_jax.bench checkpoint", __doc__)
+  parser.add_argument("--repeats", type=int, default=3, help="timed saves (the fastest is reported)")
+  parser.add_argument("--rank", type=int, default=32, help="LoRA rank of the 8B-shaped state")
   parser.add_argument("--no_save", action="store_true", help="time the digests only, not the orbax save")
-  parser.add_argument("--out", default=os.path.join("results", "checkpoint.json"))
+  parser.add_argument("--out", default=os.path.join("results", "checkpoint.json"), help="where the report is written")
   args = parser.parse_args(argv)
   state = lora_state(args.rank)
   nbytes = sum(a.nbytes for a in _leaves(state))

@@ -31,6 +31,7 @@ import zlib
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from d2f_jax.evals.engine_pass import engine_fits, run_engine
 from d2f_jax.evals.lm_eval_elbo import masked_elbo
 
 _DECODE_FIELDS = ("method", "block_size", "max_blocks_in_flight", "tau_add", "tau_act", "tau_conf", "temperature",
@@ -127,8 +128,10 @@ class D2FJaxLM(LM):
     return out
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """One continuation per request; requests with equal settings are batched `batch_size` at a time. A
-    progress bar on stderr (process 0; off with disable_tqdm, which lm-eval passes) shows a long run alive."""
+    """One continuation per request. Requests with equal settings go through the continuous-batching engine
+    with `batch_size` slots (d2f, threshold, ar at batch > 1: each request's greedy text is its batch-1 text),
+    else in static batches of `batch_size`. A progress bar on stderr (process 0; off with disable_tqdm, which
+    lm-eval passes) shows a long run alive."""
     import jax
     from tqdm.auto import tqdm
 
@@ -141,6 +144,12 @@ class D2FJaxLM(LM):
     with tqdm(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
               disable=disable_tqdm or jax.process_index() != 0) as bar:
       for (config, until, limit), rows in groups.items():
+        if engine_fits(config, self.batch_size):
+          texts = self._through_engine([prompts[i] for i in rows], config, limit, bar.update)
+          for i, text in zip(rows, texts):
+            outputs[i] = cut_at_stops(text, list(until))
+            self.cache_hook.add_partial("generate_until", requests[i].args, outputs[i])
+          continue
         for start in range(0, len(rows), self.batch_size):
           chunk = rows[start:start + self.batch_size]
           for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], config, limit)):
@@ -210,6 +219,13 @@ class D2FJaxLM(LM):
       self.requests_seen.append((ids, {"max_new_tokens": config.max_new_tokens, "limit": limit}))
     result = generate(self.model, prompts, config, key=jax.random.key(self.seed), **kwargs)
     return [decode_continuation(self.model, p, ids[:limit]) for p, ids in zip(prompts, result.to_lists())]
+
+  def _through_engine(self, prompts: list[list[int]], config, limit: int, progress) -> list[str]:
+    from d2f_jax.evals.runner import decode_continuation
+    for ids in prompts:
+      self.requests_seen.append((ids, {"max_new_tokens": config.max_new_tokens, "limit": limit}))
+    run = run_engine(self.model, prompts, config, self.batch_size, warmup="none", progress=progress)
+    return [decode_continuation(self.model, p, ids[:limit]) for p, ids in zip(prompts, run["tokens"])]
 
 
 def _round_up(n: int, multiple: int) -> int:
