@@ -20,7 +20,8 @@ FLOORS = (
     ("decode",),
     ("api",),
     ("evals",),
-    ("bench", "e2e", "aot"),
+    ("e2e", "aot"),
+    ("bench",),
     ("main", "distill", "evaluate", "generate"),
 )
 MAX_LINES = 300

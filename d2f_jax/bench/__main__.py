@@ -19,7 +19,9 @@ def main(argv: list[str]) -> None:
     if e.name == f"d2f_jax.bench.{name}":
       sys.exit(f"benchmark {name!r} is not implemented yet in this checkout")
     raise
-  module.main(rest)
+  status = module.main(rest)
+  if isinstance(status, int) and not isinstance(status, bool):  # an exit status (cost, device)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
