@@ -97,21 +97,20 @@ def width_ms(ms_by_width: dict[int, float], blocks: float) -> float:
 def decode_ms(row: dict, ms: dict, new_tokens: int) -> float | None:
   """ms to generate `new_tokens` per row with a results row's measured tokens per forward (and window):
   prefill + (N / tokens_per_forward - 1) cached steps; vanilla: N / tokens_per_forward full forwards.
-  `ms` maps 'd2f_step' {width: ms}, 'ar_step', 'full_step', 'd2f_prefill', 'ar_prefill' to ms at one batch."""
+  `ms` maps 'd2f_step' {width: ms}, 'ar_step', 'full_step', 'd2f_prefill', 'ar_prefill' to ms at one batch;
+  a prefill that was not compiled counts 0 (steady-state decoding), a step that was not makes it None."""
   tpf = row.get("tokens_per_forward")
   if not tpf:
     return None
   forwards = new_tokens / tpf
   method = row["method"]
-  needs = {"vanilla": ("full_step",), "dream_vanilla": ("full_step",), "ar": ("ar_prefill", "ar_step")}.get(
-      method, ("d2f_prefill", "d2f_step"))
-  if any(not ms.get(kind) for kind in needs):
-    return None  # a program this method runs was not compiled (--programs)
   if method in ("vanilla", "dream_vanilla"):
-    return forwards * ms["full_step"]
+    return forwards * ms["full_step"] if ms.get("full_step") else None
   if method == "ar":
-    return ms["ar_prefill"] + (forwards - 1) * ms["ar_step"]
-  return ms["d2f_prefill"] + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
+    return ms.get("ar_prefill", 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
+  if not ms.get("d2f_step"):
+    return None
+  return ms.get("d2f_prefill", 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
 
 
 def crossover(ratio, limit: int = 4096) -> str:

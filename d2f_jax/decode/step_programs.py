@@ -12,6 +12,7 @@ main job's CPU ceiling) measure what the loop runs per step.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -149,3 +150,22 @@ def step_program(model, shape: StepShape, *, mesh=None, rules=None, prompt=None,
     return StepProgram(shape, init, (params, *prompt_args), spec, init)
   state_in: Any = (jax.eval_shape(init, params, *prompt_args) if abstract else init(params, *prompt_args))
   return StepProgram(shape, _step_fn(graphdef, spec, layout), (params, state_in, prompt_args[3]), spec, init)
+
+
+def time_ms(program: StepProgram, repeats: int) -> float:
+  """ms per call of a concrete program, after one call that compiles it (not timed). A step's state is
+  carried from call to call (donated: the cache is updated in place, as in the loop); a prefill is rerun."""
+  if program.shape.kind.endswith("_prefill"):
+    def call(_):
+      return program.fn(*program.args)
+  else:
+    params, _, knobs = program.args
+
+    def call(state):
+      return program.fn(params, state, knobs)
+  state = jax.block_until_ready(call(program.args[1]))
+  start = time.perf_counter()
+  for _ in range(repeats):
+    state = call(state)
+  jax.block_until_ready(state)
+  return 1000 * (time.perf_counter() - start) / repeats
