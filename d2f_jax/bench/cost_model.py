@@ -72,12 +72,15 @@ def milliseconds(cost: dict, sheet) -> float:
   return 1000 * max(cost["flops"] / (sheet.bf16_tflops * 1e12), cost["bytes"] / (sheet.hbm_gbps * 1e9))
 
 
-def affine(points: dict[int, float], batch: float) -> float:
+def affine(points: dict[int, float], batch: float) -> float | None:
   """A per-forward quantity at `batch`, from its values at two or more compiled batches: affine in the rows
-  (weights once per forward, everything else per row), fitted through the smallest and the largest."""
+  (weights once per forward, everything else per row), fitted through the smallest and the largest. None
+  when the cost falls as rows are added: not physical, so the compiler's count is not a traffic model there."""
   if len(points) == 1:
     raise ValueError(f"affine: need costs at two batches to fit, got only batch {list(points)}")
   lo, hi = min(points), max(points)
+  if points[hi] < points[lo]:
+    return None
   return points[lo] + (batch - lo) * (points[hi] - points[lo]) / (hi - lo)
 
 
@@ -107,10 +110,10 @@ def decode_ms(row: dict, ms: dict, new_tokens: int) -> float | None:
   if method in ("vanilla", "dream_vanilla"):
     return forwards * ms["full_step"] if ms.get("full_step") else None
   if method == "ar":
-    return ms.get("ar_prefill", 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
-  if not ms.get("d2f_step"):
+    return (ms.get("ar_prefill") or 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
+  if not ms.get("d2f_step") or None in ms["d2f_step"].values():
     return None
-  return ms.get("d2f_prefill", 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
+  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
 
 
 def crossover(ratio, limit: int = 4096) -> str:

@@ -69,13 +69,19 @@ def method_rows(results: list[dict], tables: dict, batches: list[int], new_token
     base = {s: {b: tokens_per_s(ar, tables[s], b, new_tokens) for b in batches} for s in SOURCES} if ar else None
     if base and r is not ar and speed["compiled"][batches[0]] and base["compiled"][batches[0]]:
       for b in batches:
-        row[f"vs AR b{b}"] = " / ".join(f"{speed[s][b] / base[s][b]:.2f}x" for s in SOURCES)
+        row[f"vs AR b{b}"] = " / ".join(f"{speed[s][b] / base[s][b]:.2f}x" if speed[s][b] and base[s][b] else "-"
+                                        for s in SOURCES)
       if r["method"] in ("d2f", "threshold"):
-        row["AR faster from batch"] = " / ".join(cm.crossover(
-            lambda b, s=s: tokens_per_s(r, tables[s], b, new_tokens) / tokens_per_s(ar, tables[s], b, new_tokens))
-            for s in SOURCES)
+        row["AR faster from batch"] = " / ".join(_crossover(r, ar, tables[s], new_tokens) for s in SOURCES)
     rows.append(row)
   return rows
+
+
+def _crossover(row: dict, ar: dict, table: dict, new_tokens: int) -> str:
+  def ratio(b):
+    d2f, base = tokens_per_s(row, table, b, new_tokens), tokens_per_s(ar, table, b, new_tokens)
+    return d2f / base if d2f and base else float("nan")
+  return "-" if ratio(1) != ratio(1) else cm.crossover(ratio)
 
 
 def markdown(rows: list[dict]) -> str:
