@@ -21,7 +21,8 @@ FLOORS = (
     ("serve",),
     ("train",),
     ("evals",),
-    ("bench", "e2e", "aot"),
+    ("e2e", "aot"),
+    ("bench",),
     ("main", "distill", "evaluate", "generate"),
 )
 MAX_LINES = 300

@@ -42,7 +42,9 @@ def main(argv: list[str]) -> None:
     if e.name == f"d2f_jax.bench.{name}":
       raise UsageError(f"benchmark {name!r} is not implemented yet in this checkout") from None
     raise
-  module.main(rest)
+  status = module.main(rest)
+  if isinstance(status, int) and not isinstance(status, bool):  # an exit status (cost, device)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from d2f_jax import workdir_lock
 from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.decode.config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
-from d2f_jax.e2e import evaluation, report
+from d2f_jax.e2e import ceiling, evaluation, report
 from d2f_jax.reporting import write_json
 from d2f_jax.evals.runner import encode_prompts
 from d2f_jax.tasks import tokenizer as tokenizer_lib
@@ -254,7 +254,9 @@ def _run(c, workdir: str) -> dict:
     models["llada_teacher"] = d2f_jax.load_model(exports["llada_teacher"])
   say(f"evaluation: {len(evaluation.decode_rows(c, models))} decoding rows on {c.task.test} held-out problems")
   rows = evaluation.evaluate(c, models, held_out_task(c), workdir, progress=say)
-  payload = report.write_results(workdir, rows, summaries, c.to_dict())
+  say("CPU ceiling: timing the AR step and the D2F step at the measured window widths")
+  steps = ceiling.add_ceiling(rows, models, c)
+  payload = report.write_results(workdir, rows, summaries, c.to_dict(), steps)
   report.plot_throughput(workdir, rows)
   _trace_picture(c, models["student"], workdir)
   say(f"wrote {os.path.join(workdir, 'results.md')}")

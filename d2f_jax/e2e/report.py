@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from d2f_jax.reporting import environment, format_table
-from d2f_jax.e2e import projection
+from d2f_jax.e2e import ceiling, projection
 from d2f_jax.reporting import write_json, write_text
 
 # (column title, row key, format)
@@ -15,7 +15,8 @@ TABLE = [("method", "method", "{}"), ("model", "model", "{}"), ("settings", "set
          ("exact match %", None, None), ("tokens/s", "tokens_per_s", "{:.0f}"),
          ("tokens/fwd", "tokens_per_forward", "{:.2f}"), ("blocks in flight", "mean_in_flight", "{:.2f}"),
          ("window blocks", "mean_window_blocks", "{:.2f}"), ("ms/fwd", "ms_per_forward", "{:.3f}"),
-         ("vs AR", "speedup_vs_ar", "{:.2f}x"), ("vs threshold", "speedup_vs_threshold", "{:.2f}x")]
+         ("vs AR", "speedup_vs_ar", "{:.2f}x"), ("CPU ceiling vs AR", "ceiling_vs_ar", "{:.2f}x"),
+         ("vs threshold", "speedup_vs_threshold", "{:.2f}x")]
 TABLE_COLUMNS = [title for title, _, _ in TABLE]
 STAGE_TEXT = {"ar": "AR pre-training (Dream layout, causal; the AR baseline)",
               "teacher": "MDM adaptation of the AR model, shifted logits (the teacher)",
@@ -37,10 +38,12 @@ def table_rows(rows: list[dict]) -> list[dict]:
   return out
 
 
-def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict) -> dict:
+def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict, steps: dict | None = None) -> dict:
+  """results.json and results.md; `steps`: the step timings behind the CPU ceiling (e2e/ceiling.py)."""
   block, new = config["block_size"], config["max_new_tokens"]
   projected = projection.project(rows, block, new)
-  payload = {"rows": rows, "projection": projected, "stages": stages, "config": config, "environment": environment()}
+  payload = {"rows": rows, "projection": projected, "stages": stages, "config": config, "environment": environment(),
+             "ceiling": steps or {}}
   write_json(os.path.join(out_dir, "results.json"), payload)
   env = payload["environment"]
   total = rows[0]["total"] if rows else 0
@@ -56,8 +59,9 @@ def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict) ->
       "tokens / model forwards; blocks in flight = blocks still decoding per forward (d2f, threshold); window "
       "blocks = width of the forward's window in blocks (the blocks in flight plus finished ones whose cache it "
       "writes); ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
-      "ratios to the AR row and the teacher's threshold row of this run.", "",
-      "```", format_table(table_rows(rows), TABLE_COLUMNS), "```", "",
+      "ratios to the AR row and the teacher's threshold row of this run; CPU ceiling vs AR = tokens/fwd x AR step ms "
+      "/ D2F step ms at the row's window, both steps timed in this run (below).", "",
+      "```", format_table(table_rows(rows), TABLE_COLUMNS), "```", "", *ceiling.ceiling_text(rows, steps or {}),
       "## Projection (not a measurement): LLaDA-8B tokens/s on H100 and TPU v5p", "",
       "From the measured tokens per forward and window widths above, with a roofline per-forward cost of the 8B "
       "model (bf16 weights and KV cache, batch 1): time = max(FLOPs / peak, bytes / HBM bandwidth); FLOPs = "

@@ -1,0 +1,133 @@
+"""From per-forward costs to ms per forward, and from ms per forward to projected tokens/s.
+
+Formulas (bf16, per device of a mesh with `tensor` head shards and `data` row shards; b = rows per device):
+  attention  FLOPs = 4 b n (c + n) H' D L              (QK^T and PV of n queries over c cached + n window keys)
+             bytes = 2 b L (2 c K' D + 2 n H' D + 2 n K' D)   (K/V of c cached tokens, q / out, window k / v)
+  whole      e2e.projection.forward_cost (weights once, n embedding rows, K/V of c cached), FLOPs x b,
+             per-row bytes x b, both / tensor
+  time       max(FLOPs / peak, bytes / HBM bandwidth)  (data sheet; collectives and launch overhead left out)
+H' = H / tensor, K' the kv heads a shard reads (kernels.sharded.plan_heads). c = prompt + half the response
+for a step (the mean cache length over a decode; the kernels read only up to it), 0 for a prefill or vanilla's
+full forward (n attends to itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.e2e import projection
+from d2f_jax.kernels.sharded import plan_heads
+
+BYTES = 2  # bf16
+
+
+def cached_tokens(shape: StepShape) -> float:
+  """c: the cached tokens a forward of `shape` attends to (mean over the decode for a step)."""
+  return shape.prompt + shape.new_tokens / 2 if shape.kind in ("d2f_step", "ar_step") else 0.0
+
+
+def rows_per_device(batch: int, data: int) -> int:
+  return -(-batch // data)
+
+
+def attention_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
+  """The formula's attention FLOPs and bytes of one forward, per device."""
+  tensor = mesh_shape.get("tensor", 1)
+  split = plan_heads(config.num_heads, config.num_kv_heads, tensor)
+  h = config.num_heads // split.shards
+  k = split.kv_local
+  b, n, c = rows_per_device(shape.batch, mesh_shape.get("data", 1)), shape.tokens, cached_tokens(shape)
+  d, layers = config.head_dim, config.num_layers
+  flops = 4 * b * n * (c + n) * h * d * layers
+  nbytes = BYTES * b * layers * (2 * c * k * d + 2 * n * h * d + 2 * n * k * d)
+  return {"flops": float(flops), "bytes": float(nbytes)}
+
+
+def formula_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
+  """The hand-written roofline of one forward (e2e.projection.forward_cost), per device."""
+  tensor, b = mesh_shape.get("tensor", 1), rows_per_device(shape.batch, mesh_shape.get("data", 1))
+  flops, nbytes = projection.forward_cost(config, shape.tokens, cached_tokens(shape))
+  weights = BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size)
+  return {"flops": b * flops / tensor, "bytes": (weights + b * (nbytes - weights)) / tensor}
+
+
+def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -> dict:
+  """The compiled cost with opaque attention kernels replaced by the formula: compiler's count for the rest
+  (the program less L x the kernel call compiled alone) + attention_cost. Without opaque calls (XLA
+  attention, e.g. on a CPU) the compiler's count stands as it is."""
+  if not compiled["opaque"]:
+    return {"flops": compiled["flops"], "bytes": compiled["bytes"], "source": "compiled"}
+  attn = attention_cost(config, shape, mesh_shape)
+  out = {"source": "compiled + attention formula"}
+  for key in ("flops", "bytes"):
+    rest = compiled[key] - config.num_layers * compiled["kernel"][key]
+    out[f"rest_{key}"] = rest
+    out[key] = max(rest, 0.0) + attn[key]
+  return out
+
+
+def milliseconds(cost: dict, sheet) -> float:
+  """Roofline time of one forward: max(FLOPs / peak, bytes / bandwidth), in ms."""
+  return 1000 * max(cost["flops"] / (sheet.bf16_tflops * 1e12), cost["bytes"] / (sheet.hbm_gbps * 1e9))
+
+
+def affine(points: dict[int, float], batch: float) -> float | None:
+  """A per-forward quantity at `batch`, from its values at two or more compiled batches: affine in the rows
+  (weights once per forward, everything else per row), fitted through the smallest and the largest. None
+  when the cost falls as rows are added: not physical, so the compiler's count is not a traffic model there."""
+  if len(points) == 1:
+    raise ValueError(f"affine: need costs at two batches to fit, got only batch {list(points)}")
+  lo, hi = min(points), max(points)
+  if points[hi] < points[lo]:
+    return None
+  return points[lo] + (batch - lo) * (points[hi] - points[lo]) / (hi - lo)
+
+
+def width_ms(ms_by_width: dict[int, float], blocks: float) -> float:
+  """ms of a forward at a mean window of `blocks` blocks: linear between the compiled widths around it (a
+  decode mixes those widths), clamped to the compiled range."""
+  widths = sorted(ms_by_width)
+  blocks = min(max(blocks, widths[0]), widths[-1])
+  below = max(w for w in widths if w <= blocks)
+  above = min(w for w in widths if w >= blocks)
+  if above == below:
+    return ms_by_width[below]
+  t = (blocks - below) / (above - below)
+  return (1 - t) * ms_by_width[below] + t * ms_by_width[above]
+
+
+def decode_ms(row: dict, ms: dict, new_tokens: int) -> float | None:
+  """ms to generate `new_tokens` per row with a results row's measured tokens per forward (and window):
+  prefill + (N / tokens_per_forward - 1) cached steps; vanilla: N / tokens_per_forward full forwards.
+  `ms` maps 'd2f_step' {width: ms}, 'ar_step', 'full_step', 'd2f_prefill', 'ar_prefill' to ms at one batch;
+  a prefill that was not compiled counts 0 (steady-state decoding), a step that was not makes it None."""
+  tpf = row.get("tokens_per_forward")
+  if not tpf:
+    return None
+  forwards = new_tokens / tpf
+  method = row["method"]
+  if method in ("vanilla", "dream_vanilla"):
+    return forwards * ms["full_step"] if ms.get("full_step") else None
+  if method == "ar":
+    return (ms.get("ar_prefill") or 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
+  if not ms.get("d2f_step") or None in ms["d2f_step"].values():
+    return None
+  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
+
+
+def crossover(ratio, limit: int = 4096) -> str:
+  """The smallest batch at which D2F / AR drops below 1 ('-' if D2F is never faster, '> limit' if never
+  slower up to `limit`); ratio(batch) -> float."""
+  if ratio(1) < 1:
+    return "-"
+  for batch in range(2, limit + 1):
+    if ratio(batch) < 1:
+      return str(batch)
+  return f"> {limit}"
+
+
+def fmt(value, digits: int = 3) -> str:
+  if value is None or (isinstance(value, float) and math.isnan(value)):
+    return ""
+  return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"

@@ -1,0 +1,110 @@
+"""`bench cost` on the CPU compiler at tiny shapes: the layer extrapolation, the compiled cost against the formula,
+the opaque-kernel accounting, the projection arithmetic, the CLI with its cache, and a missing compiler.
+
+Stated factor: on a weight-dominated tiny model the compiled FLOPs of a forward of >= 16 tokens lie within 1.5x
+of the formula's (the formula leaves out norms, RoPE, softmax and sampling). Bytes are not held to the formula
+on a CPU: its cost analysis counts every unfused op's operands (the suite turns most optimisations off), so
+they only have to cover the weights, which every forward reads once.
+"""
+
+import json
+import pathlib
+
+import jax
+import pytest
+
+from d2f_jax.bench import cost, cost_compile, cost_model as cm
+from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.models import ModelConfig
+from d2f_jax import sharding
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "main_job_results.json"
+# Small but weight-dominated: 2 layers' 1.05 M matmul weights + a 0.5 M head against a 16-token window.
+SMALL = ModelConfig(vocab_size=2048, embed_dim=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                    mlp_dim=1024, dtype="bfloat16", param_dtype="bfloat16", attention_impl="xla",
+                    mask_token_id=2000, eos_token_id=2001, pad_token_id=2001)
+
+
+def _mesh():
+  return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+
+
+def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
+  shape = StepShape("d2f_step", batch=1, prompt=32, new_tokens=32, block_size=8, width=2)
+  got = cost_compile.forward_cost(SMALL, shape, _mesh(), log=lambda _: None)
+  direct = cost_compile.program_cost(SMALL, shape, _mesh(), SMALL.num_layers)  # 3 layers, unrolled
+  assert got["flops"] == pytest.approx(direct["flops"], rel=0.03), (got, direct)
+  assert got["opaque"] == [] and got["kernel"]["flops"] == 0  # XLA attention: nothing hidden from the compiler
+  formula = cm.formula_cost(SMALL, shape, {"data": 1, "tensor": 1})
+  assert 1.0 <= got["flops"] / formula["flops"] <= 1.5, (got, formula)
+  weights = 2 * (3 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 1024) + 256 * 2048)
+  assert got["bytes"] >= weights
+  accounted = cm.accounted_cost(got, SMALL, shape, {"data": 1, "tensor": 1})
+  assert accounted == {"flops": got["flops"], "bytes": got["bytes"], "source": "compiled"}
+
+
+def test_an_opaque_kernel_is_replaced_by_the_attention_formula():
+  shape = StepShape("d2f_step", batch=4, prompt=96, new_tokens=32, block_size=8, width=3)
+  compiled = {"flops": 1e9, "bytes": 5e8, "opaque": ["tpu_custom_call"], "kernel": {"flops": 2.0, "bytes": 1e6}}
+  attn = cm.attention_cost(SMALL, shape, {"data": 1, "tensor": 1})
+  # 4 rows x 24 queries x (96 + 16 cached + 24 window keys) x 4 heads x 64 x 3 layers, QK^T and PV
+  assert attn["flops"] == 4 * 4 * 24 * (112 + 24) * 4 * 64 * 3
+  got = cm.accounted_cost(compiled, SMALL, shape, {"data": 1, "tensor": 1})
+  assert got["flops"] == pytest.approx(1e9 - 3 * 2.0 + attn["flops"])
+  assert got["bytes"] == pytest.approx(5e8 - 3 * 1e6 + attn["bytes"])
+  assert got["source"] == "compiled + attention formula"
+
+
+def test_projection_arithmetic():
+  assert cm.affine({1: 2.0, 33: 6.0}, 17) == pytest.approx(4.0)
+  with pytest.raises(ValueError, match="two batches"):
+    cm.affine({1: 2.0}, 8)
+  assert cm.width_ms({1: 1.0, 2: 2.0, 3: 4.0}, 2.5) == pytest.approx(3.0)
+  assert cm.width_ms({1: 1.0, 2: 2.0}, 7.0) == 2.0  # clamped to the widest compiled
+  ms = {"d2f_step": {2: 10.0, 3: 12.0}, "ar_step": 5.0, "d2f_prefill": 20.0, "ar_prefill": 20.0}
+  d2f = {"method": "d2f", "tokens_per_forward": 4.0, "mean_window_blocks": 2.5}
+  assert cm.decode_ms(d2f, ms, 256) == pytest.approx(20 + 63 * 11.0)
+  assert cm.decode_ms({"method": "ar", "tokens_per_forward": 1.0}, ms, 256) == pytest.approx(20 + 255 * 5.0)
+  assert cm.decode_ms({"method": "vanilla", "tokens_per_forward": 0.5}, ms, 256) is None  # not compiled
+  assert cm.crossover(lambda b: 3.0 / b) == "4"  # equal at 3, AR faster from 4
+  assert cm.crossover(lambda b: 0.5) == "-"
+  assert cm.crossover(lambda b: 2.0, limit=8) == "> 8"
+
+
+def test_cli_on_the_cpu_compiler_prints_projections_and_reuses_its_cache(tmp_path, capsys):
+  argv = ["--target", "cpu", "--tiny", "--model", "tiny-llada", "--programs", "d2f_step,ar_step", "--widths", "1,2",
+          "--batch", "1,4", "--datasheet", "H100 SXM", "--results", str(FIXTURE), "--cache", str(tmp_path / "c"),
+          "--json", str(tmp_path / "out.json")]
+  assert cost.main(argv) == 0
+  first = capsys.readouterr().out
+  assert "compiled in" in first and "PROJECTION (not a measurement)" in first
+  report = json.loads((tmp_path / "out.json").read_text())
+  (table,) = report["tables"]
+  assert [(p["program"], p["width"], p["batch"]) for p in table["programs"]] == [
+      ("d2f_step", 1, 1), ("d2f_step", 2, 1), ("ar_step", "", 1), ("d2f_step", 1, 4), ("d2f_step", 2, 4),
+      ("ar_step", "", 4)]
+  methods = {(m["method"], m["settings"]): m for m in table["methods"]}
+  d2f = methods[("d2f", "add=0.1 act=0.95 conf=0.9")]
+  for b in (1, 8, 32, 128):
+    compiled, formula = d2f[f"tok/s b{b}"].split(" / ")
+    assert float(compiled) > 0 and float(formula) > 0
+    assert d2f[f"vs AR b{b}"].count("x") == 2
+  assert " / " in d2f["AR faster from batch"]
+  assert methods[("vanilla", "LLaDA semi-AR, 40 steps")]["tok/s b1"] == " / "  # full_step not compiled
+  assert cost.main(argv) == 0  # everything from the cache now
+  assert "compiled in" not in capsys.readouterr().out
+
+
+def test_a_target_without_its_compiler_exits_2_naming_the_venv(tmp_path, capsys):
+  argv = ["--target", "h100", "--results", str(FIXTURE), "--accel_venvs", str(tmp_path), "--cache", ""]
+  assert cost.main(argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: h100 needs its compiler") and str(tmp_path) in err[0]
+
+
+def test_bad_arguments_name_the_value(tmp_path):
+  with pytest.raises(SystemExit) as exit_info:
+    cost.main(["--target", "cpu", "--batch", "1", "--results", str(FIXTURE)])
+  assert exit_info.value.code == 2
+  with pytest.raises(ValueError, match="--cache_len 256 must exceed --new_tokens 256"):
+    cost.plan(cost.build_parser().parse_args(["--target", "cpu", "--cache_len", "256"]))
