@@ -107,6 +107,7 @@ def cache_key(target: str, model: str, fields: dict) -> str:
 
 
 def load_json(path: str) -> dict:
+  """A JSON file, or {} when there is none (a cache not yet written)."""
   if path and os.path.exists(path):
     with open(path) as f:
       return json.load(f)
