@@ -212,3 +212,13 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
                                "have no weights; the tokenizer belongs to another model")
   return Model(config=config, graphdef=graphdef, state=state, tokenizer=tokenizer,
                      lora=lora_cfg, source=path, placement=placement)
+
+
+def load_from_flags(args, mesh=None) -> Model:
+  """The model a command line names (--model, --lora_dir, --dtype, --attention; generate, evaluate, serve):
+  a model that cannot be loaded is one `error:` line naming --model (exit 2), never a traceback."""
+  from d2f_jax.usage import UsageError
+  try:
+    return load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh)
+  except (OSError, ValueError) as e:  # ConvertError is a ValueError
+    raise UsageError(f"--model {args.model}: {e}") from None

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
   from d2f_jax.decode.config import check_method_fits, model_attention
   from d2f_jax.evals.runner import run_benchmark
 
-  model = load_model(args, mesh)
+  from d2f_jax.api import load_from_flags
+  model = load_from_flags(args, mesh)
   try:
     check_method_fits(model.config, config, model_attention(model))
   except ValueError as e:
@@ -126,16 +127,6 @@ def summary(results: dict) -> str:
   return (f"{results['task']} {results['metric']} {results['score']:.2f}{stderr} "
           f"({results['correct']}/{results['total']}), {per(speed['tokens_per_s'], '.1f')} tokens/s, "
           f"{per(speed['tokens_per_forward'], '.2f')} tokens/forward; {results['files']['results']}")
-
-
-def load_model(args, mesh):
-  """The model of --model / --lora_dir (checked by check_model_flags); a refusal is one `error:` line."""
-  import d2f_jax
-  try:
-    return d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
-                              mesh=mesh)
-  except (OSError, ValueError) as e:  # ConvertError is a ValueError
-    raise UsageError(f"--model {args.model}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
 
   if jax.process_count() > 1 and not args.no_stream:
     raise UsageError("streaming reads the state on one process; pass --no_stream with several processes")
-  model = load_model(args, mesh)
+  from d2f_jax.api import load_from_flags
+  model = load_from_flags(args, mesh)
   from d2f_jax.decode.config import check_method_fits, model_attention
   try:
     check_method_fits(model.config, config, model_attention(model))
@@ -107,16 +108,6 @@ def _decode(model, prompt, config, key, args, mesh, say) -> dict:
       f"({stats['tokens_per_forward']:.2f} tokens/forward), {seconds:.2f}s, {stats['tokens_per_s']:.1f} tokens/s"
       f"{devices}{note}", file=sys.stderr)
   return stats
-
-
-def load_model(args, mesh):
-  """The model of --model / --lora_dir (checked by check_model_flags); a refusal is one `error:` line."""
-  import d2f_jax
-  try:
-    return d2f_jax.load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention,
-                              mesh=mesh)
-  except (OSError, ValueError) as e:  # ConvertError is a ValueError
-    raise UsageError(f"--model {args.model}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -94,15 +94,12 @@ def main(argv: list[str] | None = None) -> int:
   mesh = setup_devices(args, local=True)
   import jax
 
-  from d2f_jax.api import load_model
+  from d2f_jax.api import load_from_flags
   from d2f_jax.decode.limits import DecodeInputError
   from d2f_jax.serve import Engine
   if jax.process_count() > 1:
     raise UsageError("the server runs in one process; use --mesh over this process's devices")
-  try:
-    model = load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh)
-  except (OSError, ValueError) as e:
-    raise UsageError(f"--model {args.model}: {e}") from None
+  model = load_from_flags(args, mesh)
   try:
     engine = Engine(model, config)
   except (DecodeInputError, ValueError) as e:
