@@ -52,7 +52,7 @@ def test_gpu_target_descriptions_are_packaged():
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.nope=1"], "--config.optim.nope: the config has no field"),
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.lrr=1"], "did you mean --config.optim.lr?"),
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.lr"], "Missing value for flag --config.optim.lr"),
-    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"], "one of <train|d2f_decode|ar_decode>"),
+    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"], "one of <train|d2f_decode|ar_decode|serve>"),
     (["--target", "cpu-8", "--config", LLADA, "--config", DREAM], "given 2 times: one config per run"),
     (["--config", LLADA], "--target is required"),
 ])
