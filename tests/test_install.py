@@ -40,10 +40,9 @@ def test_config_paths_resolve_to_the_packaged_files(tmp_path, monkeypatch):
 
 _SHOW_CONFIG = """
 import sys
-from absl import app
-from d2f_jax import config_files
+from d2f_jax import config_files, usage
 CONFIG = config_files.DEFINE_config_file("config", sys.argv.pop(1), "")
-app.run(lambda argv: print(CONFIG.value.ar.steps, CONFIG.value.student.steps, CONFIG.value.task.test))
+usage.run_absl(lambda argv: print(CONFIG.value.ar.steps, CONFIG.value.student.steps, CONFIG.value.task.test), "doc")
 """
 
 
