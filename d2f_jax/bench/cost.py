@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 
+from d2f_jax.usage import ArgumentParser
 from d2f_jax import datasheets
 from d2f_jax.aot import topology as topo
 from d2f_jax.bench import cost_model as cm, cost_report
@@ -39,26 +40,26 @@ TINY = dict(models=("tiny-llada", "tiny-dream"), cache_len=(64,), new_tokens=32,
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench cost", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = ArgumentParser("python -m d2f_jax.bench cost", __doc__)
   p.add_argument("--target", action="append", required=True, help="h100, a100, v5e-8, v5p-8, v6e-8, ... or cpu")
   p.add_argument("--model", action="append", help=f"model preset (repeatable; default {', '.join(MODELS)})")
   p.add_argument("--results", default="workdir/tiny_e2e/results.json",
                  help="results.json whose tokens per forward and window widths are projected")
   p.add_argument("--cache_len", default="512,1024", help="KV cache lengths = prompt + new tokens (comma list)")
   p.add_argument("--new_tokens", type=int, default=256, help="response tokens per row (default 256)")
-  p.add_argument("--block_size", type=int, default=32)
+  p.add_argument("--block_size", type=int, default=32, help="block size")
   p.add_argument("--widths", help="D2F window widths in blocks (default: the decoder's width set)")
   p.add_argument("--batch", default="1,32", help="batches compiled (>= 2; other batches are affine between)")
   p.add_argument("--project", default="1,8,32,128", help="batches of the tokens/s table")
-  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill")
+  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill", help="programs")
   p.add_argument("--tiny", action="store_true", help="tiny-llada / tiny-dream, cache 64, 32 new tokens, block 8")
   p.add_argument("--datasheet", help="price every target on this data sheet (default: the target's own)")
   p.add_argument("--cache", default="results/bench_cost_cache",
                  help="directory of compiled costs, one JSON file per target ('' = no cache)")
-  p.add_argument("--accel_venvs", default=os.environ.get("D2F_ACCEL_VENVS", "/work/venvs"))
+  p.add_argument("--accel_venvs", default=os.environ.get("D2F_ACCEL_VENVS", os.path.expanduser("~/accel")),
+                 help="root of the compiler venvs .ci/accel_venvs.sh makes ($D2F_ACCEL_VENVS)")
   p.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--json", default="results/bench_cost.json")
+  p.add_argument("--json", default="results/bench_cost.json", help="json")
   return p
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from d2f_jax.usage import ArgumentParser
 from d2f_jax import datasheets
 from d2f_jax.bench import cost_model as cm
 from d2f_jax.bench.cost import SHEETS
@@ -114,21 +115,20 @@ def projected(target, sheet, model: str, config, shape, mesh_shape: dict, cost_d
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m d2f_jax.bench device", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = ArgumentParser("python -m d2f_jax.bench device", __doc__)
   p.add_argument("--model", default="llada-8b", help="model preset (random weights)")
   p.add_argument("--widths", default="1,2,3,4,5", help="D2F window widths in blocks")
-  p.add_argument("--batch", default="1,32")
-  p.add_argument("--cache_len", type=int, default=1024)
-  p.add_argument("--new_tokens", type=int, default=256)
-  p.add_argument("--block_size", type=int, default=32)
-  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--batch", default="1,32", help="batch")
+  p.add_argument("--cache_len", type=int, default=1024, help="cache len")
+  p.add_argument("--new_tokens", type=int, default=256, help="new tokens")
+  p.add_argument("--block_size", type=int, default=32, help="block size")
+  p.add_argument("--repeats", type=int, default=10, help="repeats")
   p.add_argument("--budget_s", type=float, default=240.0, help="start no program after this many seconds")
   p.add_argument("--tiny", action="store_true", help="tiny shapes (cache 64, 32 new tokens, block 8): tests")
   p.add_argument("--cost_cache", default="results/bench_cost_cache",
                  help="bench cost's compiled costs (the packaged d2f_jax/bench/compiled_costs are read too)")
   p.add_argument("--workdir", default="workdir/tiny_e2e", help="the main job's models, for end-to-end speed")
-  p.add_argument("--out", default="results/bench_device.json")
+  p.add_argument("--out", default="results/bench_device.json", help="out")
   return p
 
 
