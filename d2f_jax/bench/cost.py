@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--datasheet", help="price every target on this data sheet (default: the target's own)")
   p.add_argument("--cache", default="results/bench_cost_cache",
                  help="directory of compiled costs, one JSON file per target ('' = no cache)")
-  p.add_argument("--accel_venvs", default=os.environ.get("D2F_ACCEL_VENVS", os.path.expanduser("~/accel")),
+  p.add_argument("--accel_venvs",
+                 default=os.environ.get("D2F_ACCEL_VENVS", os.path.expanduser("~/accel")),
                  help="root of the compiler venvs .ci/accel_venvs.sh makes ($D2F_ACCEL_VENVS)")
   p.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--json", default="results/bench_cost.json", help="json")
