@@ -47,11 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="results.json whose tokens per forward and window widths are projected")
   p.add_argument("--cache_len", default="512,1024", help="KV cache lengths = prompt + new tokens (comma list)")
   p.add_argument("--new_tokens", type=int, default=256, help="response tokens per row (default 256)")
-  p.add_argument("--block_size", type=int, default=32, help="block size")
+  p.add_argument("--block_size", type=int, default=32, help="D2F block size")
   p.add_argument("--widths", help="D2F window widths in blocks (default: the decoder's width set)")
   p.add_argument("--batch", default="1,32", help="batches compiled (>= 2; other batches are affine between)")
   p.add_argument("--project", default="1,8,32,128", help="batches of the tokens/s table")
-  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill", help="programs")
+  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill", help="forwards compiled, comma-separated")
   p.add_argument("--tiny", action="store_true", help="tiny-llada / tiny-dream, cache 64, 32 new tokens, block 8")
   p.add_argument("--datasheet", help="price every target on this data sheet (default: the target's own)")
   p.add_argument("--cache", default="results/bench_cost_cache",
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                  default=os.environ.get("D2F_ACCEL_VENVS", os.path.expanduser("~/accel")),
                  help="root of the compiler venvs .ci/accel_venvs.sh makes ($D2F_ACCEL_VENVS)")
   p.add_argument("--compile_only", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--json", default="results/bench_cost.json", help="json")
+  p.add_argument("--json", default="results/bench_cost.json", help="where the report is written")
   return p
 
 
