@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--cost_cache", default="results/bench_cost_cache",
                  help="bench cost's compiled costs (the packaged d2f_jax/bench/compiled_costs are read too)")
   p.add_argument("--workdir", default="workdir/tiny_e2e", help="the main job's models, for end-to-end speed")
-  p.add_argument("--out", default="results/bench_device.json", help="out")
+  p.add_argument("--out", default="results/bench_device.json", help="where the report is written")
   return p
 
 
