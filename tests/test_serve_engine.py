@@ -149,3 +149,38 @@ def test_a_failing_engine_ends_every_request_and_says_why(monkeypatch):
   assert engine.load()["error"] == "RuntimeError: device lost" and not engine.load()["admitting"]
   with pytest.raises(EngineStopped, match="device lost"):
     engine.submit(PROMPTS[0])
+
+
+def test_admission_counts_are_compiled_sizes_without_padding():
+  from d2f_jax.serve.engine import split_admissions
+  assert EngineConfig(slots=32, max_insert=8).insert_sizes == (1, 2, 4, 8)
+  assert EngineConfig(slots=6, max_insert=8).insert_sizes == (1, 2, 4)
+  assert EngineConfig(slots=3, max_insert=1).insert_sizes == (1,)
+  assert split_admissions(13, (1, 2, 4, 8)) == [8, 4, 1]
+  assert split_admissions(7, (1, 2, 4)) == [4, 2, 1]
+  assert split_admissions(3, (1,)) == [1, 1, 1]
+  assert split_admissions(0, (1, 2)) == []
+
+
+@pytest.mark.parametrize("method", ["d2f", "ar"])
+def test_requests_prefilled_together_decode_as_alone(method):
+  """Six requests admitted in one round: grouped by prompt bucket (8: three, 16: two, 24: one) and prefilled
+  as insert calls of 2 + 1, 2 and 1 rows, each row with its own settings; every request still equals its
+  decode alone."""
+  model = sharp_model("llada")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 6, "max_insert": 2, "method": method}))
+  prompts = [PROMPTS[0], PROMPTS[1], [5, 6, 7, 8, 9], PROMPTS[3], PROMPTS[4], PROMPTS[2]]
+  if method == "ar":
+    settings = [RequestSettings(max_new_tokens=n) for n in (16, 8, 12, 16, 4, 16)]
+  else:
+    settings = [SETTINGS[0], SETTINGS[1], SETTINGS[2], SETTINGS[4], SETTINGS[3], SETTINGS[0]]
+  results = engine.complete(prompts, settings)
+  assert engine.insert_calls == 4
+  for i, (prompt, s, got) in enumerate(zip(prompts, settings, results)):
+    if method == "d2f":
+      _check(got, _alone(model, prompt, s), f"request {i}")
+      continue
+    result = generate(model, [prompt], DecodeConfig(method="ar", block_size=4, max_new_tokens=s.max_new_tokens,
+                                                    prompt_buckets=8))
+    n = int(result.lengths[0])
+    assert (got.tokens, got.forwards) == (np.asarray(result.tokens[0, :n]).tolist(), int(result.forwards[0])), i

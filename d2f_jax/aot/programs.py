@@ -112,7 +112,8 @@ def decode_program(config, devices: list, *, method: str, batch: int, prompt_len
 def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_tokens: int, block_size: int,
                    attention: str | None = None, mesh_shape: dict | None = None, rules=None) -> list[Program]:
   """The serving engine's two programs for the config's model: `serve_advance` (k D2F steps over every slot)
-  and `serve_insert` (a request's prefill at the largest prompt bucket into a slot), slots over rows."""
+  and `serve_insert` (the prefill of max_insert requests at the largest prompt bucket into their slots), slots
+  over rows."""
   from d2f_jax import sharding
   from d2f_jax.serve import EngineConfig
   from d2f_jax.serve.aot import engine_programs
@@ -123,5 +124,5 @@ def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_to
                         prompt_bucket=min(64, prompt_len))
   built = engine_programs(mc, engine, mesh, rules if rules is not None else config.get("logical_axis_rules"))
   shape = {"slots": slots, "prompt_len": engine.prompt_width, "new_tokens": new_tokens, "block_size": block_size,
-           "steps_per_call": engine.steps_per_call}
+           "steps_per_call": engine.steps_per_call, "insert_batch": engine.insert_sizes[-1]}
   return [Program(name, fn, args, dict(mesh.shape), shape) for name, (fn, args) in built.items()]

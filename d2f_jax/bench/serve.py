@@ -7,7 +7,10 @@ test against the real server (bench/serve_load.py).
 
 A static batch runs until its slowest row is done, so the rows that finish early idle their share of every
 forward; the engine refills a finished slot with the next problem. Greedy, the paper's thresholds, the main
-job's block size and answer length; compile time excluded from both (each side is warmed up first).
+job's block size and answer length; compile time excluded from both (each side is warmed up first). Both pad
+prompts to the same bucket: a static batch to its longest prompt's, the engine each request to its own. The two
+sides alternate `--repeats` times and each side's best time is reported (a shared machine only ever slows a
+run down); the ratio of every adjacent pair is listed beside it.
 """
 
 from __future__ import annotations
@@ -47,30 +50,53 @@ def held_out_prompts(model, c, limit: int) -> list[list[int]]:
   return encode_prompts(model, task.load(limit))
 
 
-def static_batches(model, prompts, config, slots: int) -> tuple[list[list[int]], float, int]:
-  """(tokens per prompt, seconds, device calls) of `generate` over consecutive batches of `slots` prompts."""
+def static_batches(model, prompts, config, slots: int):
+  """A timer for `generate` over consecutive batches of `slots` prompts: run() -> (tokens per prompt, seconds).
+  Every batch shape (rows x prompt bucket) is compiled first."""
   from d2f_jax.decode import generate
   batches = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
-  for batch in {len(b): b for b in batches}.values():  # compile every batch shape first
+  shapes = {(len(b), config.bucket(max(map(len, b)))): b for b in batches}
+  for batch in shapes.values():
     jax.block_until_ready(generate(model, batch, config).tokens)
-  start = time.perf_counter()
-  results = [generate(model, batch, config) for batch in batches]
-  tokens = [row for r in results for row in r.to_lists()]
-  return tokens, time.perf_counter() - start, len(batches)
+
+  def run():
+    start = time.perf_counter()
+    results = [generate(model, batch, config) for batch in batches]
+    tokens = [row for r in results for row in r.to_lists()]
+    return tokens, time.perf_counter() - start
+  return run, len(batches)
 
 
-def engine_run(model, prompts, config, slots: int, steps_per_call: int) -> tuple[list[list[int]], float, int]:
-  """(tokens per prompt, seconds, advance calls) of the engine with `slots` slots over every prompt."""
+def engine_run(model, prompts, config, slots: int, steps_per_call: int, max_insert: int):
+  """A timer for the engine with `slots` slots over every prompt: run() -> (tokens per prompt, seconds);
+  the engine, warmed up (every program compiled, the slots filled and refilled once)."""
   from d2f_jax.serve import Engine, EngineConfig, RequestSettings
   engine = Engine(model, EngineConfig(slots=slots, block_size=config.block_size,
                                       max_new_tokens=config.max_new_tokens, max_prompt_len=max(map(len, prompts)),
-                                      prompt_bucket=64, steps_per_call=steps_per_call))
+                                      prompt_bucket=config.prompt_buckets, steps_per_call=steps_per_call,
+                                      max_insert=max_insert))
   settings = RequestSettings(tau_add=config.tau_add, tau_act=config.tau_act, tau_conf=config.tau_conf)
-  engine.complete(prompts[:slots + 1], settings)  # warm-up: every program compiled, a slot refilled
-  calls = engine.advance_calls
-  start = time.perf_counter()
-  done = engine.complete(prompts, settings)
-  return [c.tokens for c in done], time.perf_counter() - start, engine.advance_calls - calls
+  engine.warm_up()
+  engine.complete(prompts[:slots + 1], settings)
+
+  def run():
+    start = time.perf_counter()
+    done = engine.complete(prompts, settings)
+    return [c.tokens for c in done], time.perf_counter() - start
+  return run, engine
+
+
+def side_by_side(static, engine, repeats: int):
+  """Alternate the two timers `repeats` times (a busy machine slows both alike): (every run of both gave the
+  first static run's tokens, static seconds, engine seconds), the seconds one per repeat."""
+  want, static_s, engine_s, identical = None, [], [], True
+  for _ in range(repeats):
+    for timer, times in ((static, static_s), (engine, engine_s)):
+      tokens, seconds = timer()
+      want = tokens if want is None else want
+      identical &= tokens == want
+      times.append(seconds)
+  return want, identical, static_s, engine_s
 
 
 def _sizes(text: str) -> list[int]:
@@ -99,6 +125,10 @@ def parse_args(argv):
   p.add_argument("--slots", type=_sizes, default="8,32", help="engine slots = static batch sizes, comma-separated")
   p.add_argument("--limit", type=int, default=256, help="held-out problems")
   p.add_argument("--steps_per_call", type=int, default=4, help="engine D2F steps per device call")
+  p.add_argument("--max_insert", type=int, default=8, help="engine: requests prefilled together in one call")
+  p.add_argument("--prompt_bucket", type=int, default=32,
+                 help="prompts padded to a multiple of this: per batch's longest (static), per request (engine)")
+  p.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; the best of each reported")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
   p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
   p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")
@@ -113,18 +143,29 @@ def main(argv: list[str]) -> None:
   prompts = held_out_prompts(model, c, args.limit)
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
   config = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens,
-                        tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=64)
-  rows = []
+                        tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=args.prompt_bucket)
+  rows, seconds = [], {}
   for slots in args.slots:
-    want, static_s, batches = static_batches(model, prompts, config, slots)
-    got, engine_s, calls = engine_run(model, prompts, config, slots, args.steps_per_call)
+    static, batches = static_batches(model, prompts, config, slots)
+    engine, serving = engine_run(model, prompts, config, slots, args.steps_per_call, args.max_insert)
+    calls = (serving.advance_calls, serving.insert_calls)
+    want, identical, static_s, engine_s = side_by_side(static, engine, args.repeats)
     generated = sum(map(len, want))
+    seconds[slots] = {"static": [round(x, 3) for x in static_s], "engine": [round(x, 3) for x in engine_s]}
+    static_best, engine_best = min(static_s), min(engine_s)
     rows.append({"slots": slots, "problems": len(prompts), "tokens": generated,
-                 "static tokens/s": round(generated / static_s, 1), "engine tokens/s": round(generated / engine_s, 1),
-                 "engine / static": round(static_s / engine_s, 3), "identical": got == want,
-                 "static batches": batches, "engine advance calls": calls})
+                 "static tokens/s": round(generated / static_best, 1),
+                 "engine tokens/s": round(generated / engine_best, 1),
+                 "engine / static": round(static_best / engine_best, 3),
+                 "per repeat": " ".join(f"{a / b:.2f}" for a, b in zip(static_s, engine_s)),
+                 "identical": identical, "static batches": batches,
+                 "engine calls (advance / insert)": "{} / {}".format(
+                     (serving.advance_calls - calls[0]) // args.repeats,
+                     (serving.insert_calls - calls[1]) // args.repeats)})
   extra = {"settings": dict(block_size=c.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
-                            tau_act=tau_act, tau_conf=tau_conf, steps_per_call=args.steps_per_call)}
+                            tau_act=tau_act, tau_conf=tau_conf, prompt_bucket=args.prompt_bucket,
+                            steps_per_call=args.steps_per_call, max_insert=args.max_insert, repeats=args.repeats,
+                            timing="best of the repeats, static and engine alternating"), "seconds": seconds}
   if args.load:
     from d2f_jax.bench import serve_load
     extra["load"] = serve_load.run(os.path.join(args.workdir, "student", "hf"), prompts, config,

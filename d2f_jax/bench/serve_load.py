@@ -35,8 +35,8 @@ def start_server(model_dir: str, config, slots: int, max_prompt_len: int, log_pa
   port = _free_port()
   args = [sys.executable, "-m", "d2f_jax.serve", "--model", model_dir, "--port", str(port), "--slots", str(slots),
           "--block_size", str(config.block_size), "--max_new_tokens", str(config.max_new_tokens),
-          "--max_prompt_len", str(max_prompt_len), "--prompt_bucket", "64", "--log_level", "warning",
-          "--served_model_name", "student"]
+          "--max_prompt_len", str(max_prompt_len), "--prompt_bucket", str(config.prompt_buckets),
+          "--log_level", "warning", "--served_model_name", "student"]
   log = open(log_path, "w")
   proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"

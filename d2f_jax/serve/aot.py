@@ -53,7 +53,8 @@ def _sds(x, sharding):
 
 def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules=None) -> dict:
   """{'serve_advance': (fn, args), 'serve_insert': (fn, args)}: the engine's advance program and its insert
-  program at the largest prompt bucket, each `fn.lower(*args).compile()`-able on `mesh`'s devices."""
+  program at the largest prompt bucket and admission count (its most memory), each
+  `fn.lower(*args).compile()`-able on `mesh`'s devices."""
   placement = as_decode_mesh(mesh, rules)
   if placement is None:
     raise ValueError("engine_programs needs a mesh")
@@ -64,19 +65,20 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules
   state, slot_knobs = jax.eval_shape(lambda: programs.empty_slots(spec, config.slots, config.prompt_width, knobs))
   state, slot_knobs = _slot_shardings((state, slot_knobs), placement, config.slots)
   rep = NamedSharding(placement.mesh, P())
-  row_knobs = jax.tree.map(lambda x: _sds(x, rep), knobs)
+  size = config.insert_sizes[-1]
+  row_knobs = jax.tree.map(lambda x: _sds(jax.ShapeDtypeStruct((size,) + x.shape, x.dtype), rep), knobs)
   layout = placement.layout
 
   def advance(params, state, knobs):
     return programs.advance(graphdef, params, state, knobs, spec=spec, steps=config.steps_per_call, layout=layout)
 
-  def insert(params, state, knobs, slot, prompt, prompt_len, row_knobs, key):
-    return programs.insert(graphdef, params, state, knobs, slot, prompt, prompt_len, row_knobs, key, spec=spec,
+  def insert(params, state, knobs, slots, prompt, prompt_len, row_knobs, key):
+    return programs.insert(graphdef, params, state, knobs, slots, prompt, prompt_len, row_knobs, key, spec=spec,
                            layout=layout)
   width = config.prompt_width
-  insert_args = (params, state, slot_knobs, _sds(jax.ShapeDtypeStruct((), jnp.int32), rep),
-                 _sds(jax.ShapeDtypeStruct((1, width), jnp.int32), rep),
-                 _sds(jax.ShapeDtypeStruct((1,), jnp.int32), rep), row_knobs,
+  insert_args = (params, state, slot_knobs, _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep),
+                 _sds(jax.ShapeDtypeStruct((size, width), jnp.int32), rep),
+                 _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep), row_knobs,
                  _sds(jax.eval_shape(lambda: jax.random.key(0)), rep))
   return {"serve_advance": (jax.jit(advance, donate_argnums=(1,)), (params, state, slot_knobs)),
           "serve_insert": (jax.jit(insert, donate_argnums=(1, 2)), insert_args)}

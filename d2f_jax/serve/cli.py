@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max_prompt_len", type=int, default=512, help="longer prompts are refused (400)")
   p.add_argument("--prompt_bucket", type=int, default=64, help="prefill widths are multiples of this")
   p.add_argument("--steps_per_call", type=int, default=8, help="D2F steps per device call")
+  p.add_argument("--max_insert", type=int, default=8,
+                 help="requests prefilled together in one call (one program per power of two up to this)")
   p.add_argument("--queue_size", type=int, default=1024, help="waiting requests beyond the slots (more: 429)")
   p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
@@ -50,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_config(args):
   from d2f_jax.serve import EngineConfig
   try:
-    return EngineConfig(slots=args.slots, method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
+    return EngineConfig(slots=args.slots, method=args.method, block_size=args.block_size,
+                        max_new_tokens=args.max_new_tokens,
                         max_prompt_len=args.max_prompt_len, prompt_bucket=min(args.prompt_bucket,
                                                                               max(args.max_prompt_len, 1)),
-                        steps_per_call=args.steps_per_call, queue_size=args.queue_size, sampling=args.sampling)
+                        steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
+                        sampling=args.sampling)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
 

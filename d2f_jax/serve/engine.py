@@ -1,10 +1,12 @@
 """The continuous-batching D2F engine: S fixed slots over one model, refilled from a queue as requests finish.
 
 JetStream's shape (prefill / insert / generate over fixed slots) on the D2F loop state: a round admits
-queued requests into free slots (`programs.insert`: the request's prefill and first step), advances every
-live slot up to `steps_per_call` D2F steps in one device call that returns as soon as a slot finishes, then
-reads the slots' responses (a few KB) and streams each request's newly settled ids to its callback.
-Shapes never change after warm-up: one advance program, one insert program per prompt bucket.
+queued requests into free slots (`programs.insert`: their prefill and first step, several of one prompt
+bucket in one call), advances every live slot up to `steps_per_call` D2F steps in one device call that
+returns as soon as a slot finishes, then reads the slots' responses (a few KB) and streams each request's
+newly settled ids to its callback.
+Shapes never change after warm-up: one advance program, one insert program per prompt bucket and admission
+count (1, 2, 4, ... up to max_insert).
 
 Greedy decoding is batch-invariant: a request's tokens, forwards and acceptance steps are those of
 `decode.generate` on it alone, whatever shares the engine and whenever it arrived (tests/test_serve_engine.py).
@@ -45,6 +47,7 @@ class EngineConfig:
   max_prompt_len: int = 512
   prompt_bucket: int = 64  # prefill widths: multiples of this up to max_prompt_len
   steps_per_call: int = 8  # D2F steps per device call (it returns early when a slot finishes)
+  max_insert: int = 8  # requests prefilled together in one insert call (powers of two up to this, and slots)
   queue_size: int = 4096  # waiting requests beyond the slots; more are refused (QueueFull)
   sampling: bool = False  # compile the sampling path (requests may set temperature > 0)
   max_blocks_in_flight: int | None = None  # the engine's cap; None as the paper
@@ -52,7 +55,7 @@ class EngineConfig:
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
-                 "queue_size"):
+                 "max_insert", "queue_size"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -64,7 +67,33 @@ class EngineConfig:
 
   @property
   def prompt_width(self) -> int:
-    return -(-self.max_prompt_len // self.prompt_bucket) * self.prompt_bucket
+    """Every slot's prompt columns P: max_prompt_len rounded up to 8 (sublanes), not to a bucket, since every
+    step of every slot attends over P + max_new_tokens cache columns."""
+    return -(-self.max_prompt_len // 8) * 8
+
+  @property
+  def prompt_buckets(self) -> tuple[int, ...]:
+    """Prefill widths: the multiples of prompt_bucket below the prompt width, then the prompt width."""
+    return tuple(range(self.prompt_bucket, self.prompt_width, self.prompt_bucket)) + (self.prompt_width,)
+
+  @property
+  def insert_sizes(self) -> tuple[int, ...]:
+    """Requests per insert call, each its own program: 1, 2, 4, ... up to min(max_insert, slots)."""
+    top = min(self.max_insert, self.slots)
+    return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
+
+  def bucket(self, prompt_len: int) -> int:
+    return min(-(-prompt_len // self.prompt_bucket) * self.prompt_bucket, self.prompt_width)
+
+
+def split_admissions(count: int, sizes: Sequence[int]) -> list[int]:
+  """count requests as insert calls of the compiled sizes, largest first and none padded (13, (1, 2, 4, 8)
+  -> [8, 4, 1])."""
+  chunks = []
+  while count:
+    chunks.append(max(s for s in sizes if s <= count))
+    count -= chunks[-1]
+  return chunks
 
 
 class Engine(BackgroundLoop):
@@ -87,9 +116,11 @@ class Engine(BackgroundLoop):
     self.slots: list[Request | None] = [None] * config.slots
     self.queue: collections.deque[Request] = collections.deque()
     self.advance_calls = 0  # device calls of `advance` (for the bench)
+    self.insert_calls = 0  # device calls of `insert`
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
+    self._settings_seen: dict = {}
     self._admitting = True
     self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')
     self._thread: threading.Thread | None = None
@@ -102,9 +133,7 @@ class Engine(BackgroundLoop):
     """Queue a request (checked first: RequestError names the field); returns its id."""
     prompt = check_prompt(prompt_ids, vocab_size=self.model.config.vocab_size,
                           max_prompt_len=self.config.max_prompt_len)
-    n, knobs, stops = request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
-                                    block_size=self.config.block_size,
-                                    bound=self.config.max_new_tokens, sampling=self.config.sampling)
+    n, knobs, stops = self._request_knobs(settings)
     with self._lock:
       if self.error is not None:
         raise EngineStopped(f"the engine failed and admits no requests: {self.error}")
@@ -117,6 +146,24 @@ class Engine(BackgroundLoop):
       self.queue.append(request)
       self._lock.notify_all()
     return request.id
+
+  def _request_knobs(self, settings: RequestSettings):
+    """request_knobs, remembered per settings: building them costs a few ms of host time, more than a
+    request's share of a step."""
+    try:
+      return self._settings_seen[settings]
+    except (KeyError, TypeError):  # TypeError: unhashable settings (a list of stop ids)
+      pass
+    found = request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
+                          block_size=self.config.block_size, bound=self.config.max_new_tokens,
+                          sampling=self.config.sampling)
+    try:
+      if len(self._settings_seen) >= 4096:
+        self._settings_seen.clear()
+      self._settings_seen[settings] = found
+    except TypeError:
+      pass
+    return found
 
   def cancel(self, request_id: str) -> None:
     """Stop a request (queued or decoding): its slot frees at the next round; its callback gets a last
@@ -137,20 +184,17 @@ class Engine(BackgroundLoop):
               "admitting": self._admitting and self.error is None, "error": self.error}
 
   def warm_up(self) -> float:
-    """Compile every program serving runs (an insert per prompt bucket, advance, release, readout) on slot 0,
-    then free it; seconds taken. Call before serving so no request pays a compile."""
+    """Compile every program serving runs (an insert per prompt bucket and admission count, advance, release,
+    readout) on the first slots, then free them; seconds taken. Call before serving so no request pays a compile."""
     if self.busy:
       raise RuntimeError("warm_up() needs an idle engine")
     start = time.perf_counter()
-    _, knobs, _ = request_knobs(RequestSettings(), model_config=self.model.config, engine_method=self.config.method,
-                                block_size=self.config.block_size, bound=self.config.max_new_tokens,
-                                sampling=self.config.sampling)
-    for width in range(self.config.prompt_bucket, self.config.prompt_width + 1, self.config.prompt_bucket):
-      prompt = np.full((1, width), self.model.config.pad_token_id, np.int32)
-      self.state, self.knobs = programs.insert(
-          self.model.graphdef, self.model.state, self.state, self.knobs, np.int32(0), prompt,
-          np.ones((1,), np.int32), knobs, self._key, spec=self.spec, layout=self.layout)
-      self.state = programs.release(self.state, np.int32(0))
+    _, knobs, _ = self._request_knobs(RequestSettings())
+    for width in self.config.prompt_buckets:
+      for size in self.config.insert_sizes:
+        prompts = np.full((size, width), self.model.config.pad_token_id, np.int32)
+        self._insert(list(range(size)), prompts, np.ones((size,), np.int32), [knobs] * size)
+        self.state = programs.release(self.state, np.arange(size, dtype=np.int32))
     self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
                                   steps=self.config.steps_per_call, layout=self.layout)
     jax.block_until_ready(programs.readout(self.state, spec=self.spec))
@@ -159,7 +203,10 @@ class Engine(BackgroundLoop):
   # --- the loop -------------------------------------------------------------------------------------------
 
   def round(self) -> bool:
-    """One round: cancellations, admissions, one advance call, events. Returns whether work remains."""
+    """One round: cancellations, admissions, one advance call, events. Returns whether work remains.
+
+    The inserts and the advance are queued back to back and the host reads the slots once, after both: a
+    request its first step already finished (frozen, the advance leaves it) is reported then."""
     with self._lock:
       cancelled, self._cancelled = self._cancelled, set()
       kept = [r for r in self.queue if r.id not in cancelled]
@@ -181,25 +228,35 @@ class Engine(BackgroundLoop):
     return self.busy
 
   def _admit(self) -> None:
-    admitted = False
-    for slot in range(self.config.slots):
-      if self.slots[slot] is not None:
-        continue
-      with self._lock:
-        if not self.queue:
-          break
-        request = self.queue.popleft()
-      width = -(-request.prompt.size // self.config.prompt_bucket) * self.config.prompt_bucket
-      prompt = np.full((1, width), self.model.config.pad_token_id, np.int32)
-      prompt[0, width - request.prompt.size:] = request.prompt
-      self._key, key = jax.random.split(self._key)
-      self.state, self.knobs = programs.insert(
-          self.model.graphdef, self.model.state, self.state, self.knobs, np.int32(slot), prompt,
-          np.asarray([request.prompt.size], np.int32), request.knobs, key, spec=self.spec, layout=self.layout)
-      request.slot, self.slots[slot] = slot, request
-      admitted = True
-    if admitted:  # a request may be finished by its first step alone
-      self._publish()
+    """Fill free slots from the queue: the admitted requests grouped by prompt bucket, each group prefilled
+    in as few insert calls as the compiled admission counts allow."""
+    free = [slot for slot, request in enumerate(self.slots) if request is None]
+    with self._lock:
+      admitted = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+    if not admitted:
+      return
+    by_bucket: dict[int, list[Request]] = collections.defaultdict(list)
+    for request in admitted:
+      by_bucket[self.config.bucket(request.prompt.size)].append(request)
+    free_slots = iter(free)
+    for width, group in sorted(by_bucket.items()):
+      for size in split_admissions(len(group), self.config.insert_sizes):
+        chunk, group = group[:size], group[size:]
+        prompts = np.full((size, width), self.model.config.pad_token_id, np.int32)
+        for row, request in enumerate(chunk):
+          prompts[row, width - request.prompt.size:] = request.prompt
+        slots = [next(free_slots) for _ in chunk]
+        self._insert(slots, prompts, np.asarray([r.prompt.size for r in chunk], np.int32), [r.knobs for r in chunk])
+        for slot, request in zip(slots, chunk):
+          request.slot, self.slots[slot] = slot, request
+
+  def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list) -> None:
+    self.insert_calls += 1
+    self._key, key = jax.random.split(self._key)
+    row_knobs = jax.tree.map(lambda *rows: np.stack([np.asarray(r) for r in rows]), *knobs)
+    self.state, self.knobs = programs.insert(
+        self.model.graphdef, self.model.state, self.state, self.knobs, np.asarray(slots, np.int32), prompts,
+        prompt_lens, row_knobs, key, spec=self.spec, layout=self.layout)
 
   def _publish(self) -> None:
     """Read the slots once; stream settled ids; finish and free the slots that are done."""

@@ -1,12 +1,13 @@
 """The engine's device programs over a fixed batch of S slots: each one jitted with static shapes, so serving
-never recompiles after warm-up (one insert program per prompt bucket, one advance program).
+never recompiles after warm-up (one insert program per prompt bucket and admission count, one advance program).
 
 The slot batch is a D2F loop state (decode/pipeline.py) whose rows start at different times. A row's
 decode touches only its own row, so a request decodes exactly as it would alone:
-- `insert` runs the request's first step (`pipeline.init`: the prefill forward over its bucketed prompt plus
-  block 0) on a batch of one, then writes that row into the slot: the token buffer left-padded to the
-  engine's prompt width P (positions follow the real prompt length, padding is invisible), the KV cache
-  as written (slots [0, bucket) hold the prompt and later writes append at its length), its knobs beside.
+- `insert` runs the first step of m requests of one prompt bucket (`pipeline.init`: the prefill forward
+  over their bucketed prompts plus block 0) as a batch of m, then writes each row into its slot: the token
+  buffer left-padded to the engine's prompt width P (positions follow the real prompt length, padding is
+  invisible), the KV cache as written (slots [0, bucket) hold the prompt and later writes append at its
+  length), its knobs beside.
 - `advance` runs up to `steps` D2F steps over all slots inside one while_loop that exits as soon as a live
   slot finishes, so the host can refill it. A free slot is a done row: frozen, it changes nothing.
 - a row stops after max_new_tokens + 2 forwards, the bound `generate`'s loop puts on a batch run alone.
@@ -61,12 +62,14 @@ def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs):
   return jax.tree.map(lambda x: jnp.array(x, copy=True), (state, rows))
 
 
-def _put_row(big: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
-  return jax.lax.dynamic_update_slice_in_dim(big, row.astype(big.dtype), slot, axis=axis)
+def _put_rows(big: jax.Array, rows: jax.Array, slots: jax.Array, axis: int = 0) -> jax.Array:
+  """big [..., S, ...] with rows [..., m, ...] written at slots [m] (distinct) along `axis`."""
+  index = (slice(None),) * axis + (slots,)
+  return big.at[index].set(rows.astype(big.dtype), unique_indices=True)
 
 
 def _into_width(row, prompt_width: int, spec: DecodeSpec):
-  """A 1-row state decoded at its prompt bucket, laid out at the engine's prompt width: the token buffer
+  """Rows decoded at their prompt bucket, laid out at the engine's prompt width: the token buffer
   left-padded (response block j stays at column prompt_width + j * block_size), the cache padded with
   empty slots."""
   extra = prompt_width - _prompt_width(row, spec)
@@ -78,25 +81,27 @@ def _into_width(row, prompt_width: int, spec: DecodeSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"), donate_argnums=(2, 3))
-def insert(graphdef, params, state, knobs: Knobs, slot: jax.Array, prompt: jax.Array,
+def insert(graphdef, params, state, knobs: Knobs, slots: jax.Array, prompt: jax.Array,
            prompt_len: jax.Array, row_knobs: Knobs, key: jax.Array, *, spec: DecodeSpec,
            layout: MeshLayout | None = None):
-  """Prefill one request into `slot`: prompt [1, bucket] left-padded, prompt_len [1], row_knobs scalars,
-  key the request's own (its first step's sampling)."""
-  slots, width = state.tokens.shape[0], _prompt_width(state, spec)
+  """Prefill m requests into distinct free `slots` [m] in one call: prompt [m, bucket] left-padded,
+  prompt_len [m], row_knobs leaves [m, ...], key for their first step's sampling. Each row decodes as it
+  would alone: the prefill is per row, and rows never attend to each other."""
+  count, width = state.tokens.shape[0], _prompt_width(state, spec)
   init = baselines.init_ar if _is_ar(spec) else pipeline.init
   with mesh_layout(layout):
-    row = init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
+    rows = init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
   if _is_ar(spec):
-    row = row.replace(t=jnp.broadcast_to(row.t, (1,)))
-  row = _into_width(row, width, spec)
-  cache = KVCache(k=_put_row(state.cache.k, row.cache.k, slot, 1), v=_put_row(state.cache.v, row.cache.v, slot, 1),
-                  ids=_put_row(state.cache.ids, row.cache.ids, slot), length=_put_row(state.cache.length,
-                                                                                       row.cache.length, slot))
-  batch_leaves = {f: _put_row(getattr(state, f), getattr(row, f), slot) for f in _row_fields(state, slots)}
+    rows = rows.replace(t=jnp.broadcast_to(rows.t, prompt_len.shape))
+  rows = _into_width(rows, width, spec)
+  cache = KVCache(k=_put_rows(state.cache.k, rows.cache.k, slots, 1),
+                  v=_put_rows(state.cache.v, rows.cache.v, slots, 1),
+                  ids=_put_rows(state.cache.ids, rows.cache.ids, slots),
+                  length=_put_rows(state.cache.length, rows.cache.length, slots))
+  batch_leaves = {f: _put_rows(getattr(state, f), getattr(rows, f), slots) for f in _row_fields(state, count)}
   state = state.replace(cache=cache, **batch_leaves)
-  knobs = jax.tree.map(lambda big, one: _put_row(big, one[None], slot), knobs, row_knobs)
-  return constrain_loop_state(state, layout, slots), knobs
+  knobs = jax.tree.map(lambda big, new: _put_rows(big, new, slots), knobs, row_knobs)
+  return constrain_loop_state(state, layout, count), knobs
 
 
 def _row_fields(state, slots: int) -> list[str]:
@@ -138,9 +143,10 @@ def advance(graphdef, params, state, knobs: Knobs, *, spec: DecodeSpec, steps: i
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def release(state, slot: jax.Array):
-  """Free a slot now (a cancelled request): its row is frozen and its compute wasted until refilled."""
-  return state.replace(done=state.done.at[slot].set(True))
+def release(state, slots: jax.Array):
+  """Free slots now (cancelled requests; `slots` an index or [m] indices): their rows are frozen and their
+  compute wasted until refilled."""
+  return state.replace(done=state.done.at[slots].set(True))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -10,6 +10,7 @@ import dataclasses
 import re
 from typing import Any
 
+import jax
 import numpy as np
 
 from d2f_jax.decode.config import MAX_STOP_TOKENS, DecodeConfig, Knobs, resolve
@@ -26,7 +27,7 @@ class Request:
   prompt: np.ndarray  # [T] int32
   settings: RequestSettings
   max_new_tokens: int
-  knobs: Knobs  # scalars: what goes into the slot's row of the engine's knobs
+  knobs: Knobs  # numpy scalars: what goes into the slot's row of the engine's knobs
   stops: frozenset
   callback: EventCallback | None
   slot: int | None = None
@@ -82,7 +83,8 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
   except (TypeError, ValueError) as e:
     found = _FIELD.search(str(e))
     raise RequestError(found.group(1) if found else "settings", str(e)) from None
-  return n, knobs, frozenset(int(t) for t in np.asarray(knobs.stop_ids).tolist() if t >= 0)
+  knobs = jax.tree.map(np.asarray, knobs)  # host values: stacked per insert call without device round trips
+  return n, knobs, frozenset(int(t) for t in knobs.stop_ids.tolist() if t >= 0)
 
 
 def settled_ids(response: np.ndarray, n: int, mask_id: int, stops: frozenset) -> list[int]:
