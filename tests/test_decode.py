@@ -183,8 +183,26 @@ def test_sampling_is_keyed_and_top_p_tiny_is_greedy():
   assert (np.asarray(a.tokens) != model.config.mask_token_id).all()
   greedy = generate(model, PROMPTS, config.replace(temperature=0.0, top_p=1.0))
   nucleus = generate(model, PROMPTS, config.replace(top_p=1e-6), key=jax.random.key(3))
+  top_one = generate(model, PROMPTS, config.replace(top_p=1.0, top_k=1), key=jax.random.key(3))
   for name in ("tokens", "forwards", "trace"):
     np.testing.assert_array_equal(np.asarray(getattr(nucleus, name)), np.asarray(getattr(greedy, name)))
+    np.testing.assert_array_equal(np.asarray(getattr(top_one, name)), np.asarray(getattr(greedy, name)))
+
+
+def test_top_k_keeps_the_k_most_probable_per_row():
+  import jax
+  import jax.numpy as jnp
+  from d2f_jax.decode.sampling import top_k_keep
+  logits = jnp.asarray([[3.0, 1.0, 2.0, 0.0], [0.0, 5.0, 4.0, 4.0]])
+  assert np.asarray(top_k_keep(logits, jnp.int32(2))).tolist() == [[True, False, True, False],
+                                                                    [False, True, True, True]]  # a tie at the k-th
+  assert np.asarray(top_k_keep(logits, jnp.int32(0))).all()
+  per_row = top_k_keep(logits, jnp.asarray([1, 4], jnp.int32)[:, None])
+  assert np.asarray(per_row).tolist() == [[True, False, False, False], [True, True, True, True]]
+  # Drawn with top_k=2 from a flat distribution: only the two highest logits ever come out.
+  many = jnp.broadcast_to(jnp.asarray([0.3, 0.1, 0.2, 0.0]), (4096, 4))
+  drawn = jax.random.categorical(jax.random.key(0), jnp.where(top_k_keep(many, jnp.int32(2)), many, -jnp.inf))
+  assert set(np.asarray(drawn).tolist()) == {0, 2}
 
 
 def test_stepwise_and_stream_equal_the_loop():
@@ -208,6 +226,8 @@ def test_config_and_prompt_errors():
     DecodeConfig(tau_conf=1.5)
   with pytest.raises(ValueError, match="top_p"):
     DecodeConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="top_k"):
+    DecodeConfig(top_k=-1)
   with pytest.raises(ValueError, match="steps"):
     DecodeConfig(method="vanilla", block_size=4, max_new_tokens=16, steps=6)
   with pytest.raises(ValueError, match="block_size"):

@@ -184,3 +184,18 @@ def test_requests_prefilled_together_decode_as_alone(method):
                                                     prompt_buckets=8))
     n = int(result.lengths[0])
     assert (got.tokens, got.forwards) == (np.asarray(result.tokens[0, :n]).tolist(), int(result.forwards[0])), i
+
+
+def test_a_sampling_engine_honours_each_rows_top_k():
+  """temperature 1 with top_k=1 samples the argmax: equal to the greedy decode alone, beside a greedy row and a
+  row that samples freely (top_k is a per-row knob)."""
+  model = sharp_model("dream")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 3, "sampling": True}))
+  settings = [RequestSettings(temperature=1.0, top_k=1, tau_conf=0.5), RequestSettings(tau_conf=0.5),
+              RequestSettings(temperature=1.0, tau_conf=0.5)]
+  results = engine.complete(PROMPTS[:3], settings)
+  for i in range(2):
+    _check(results[i], _alone(model, PROMPTS[i], RequestSettings(tau_conf=0.5)), f"request {i}")
+  with pytest.raises(RequestError) as error:
+    engine.submit(PROMPTS[0], RequestSettings(temperature=1.0, top_k=-3))
+  assert error.value.field == "top_k"

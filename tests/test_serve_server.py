@@ -166,6 +166,7 @@ BAD = [  # (endpoint, body, the field the 400 names)
     ("completions", {"prompt": "w5", "n": 2}, "n"),
     ("completions", {"prompt": "w5", "echo": True}, "echo"),
     ("completions", {"prompt": "w5", "temperature": 0.7}, "temperature"),
+    ("completions", {"prompt": "w5", "top_k": -2}, "top_k"),
     ("completions", {"prompt": "w5", "method": "vanilla"}, "method"),
     ("completions", {"prompt": "w5", "stop_token_ids": [512]}, "stop_token_ids"),
     ("chat", {"messages": [{"role": "user", "content": " ".join(["w3"] * 40)}]}, "messages"),

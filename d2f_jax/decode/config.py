@@ -63,6 +63,7 @@ class DecodeConfig:
   tau_conf: float = 0.9
   temperature: float = 0.0
   top_p: float = 1.0
+  top_k: int = 0  # sample among the k most probable tokens only; 0: off
   steps: int | None = None  # vanilla / dream_vanilla; None = max_new_tokens (one token per step)
   alg: DreamAlg = "confidence"
   stop_tokens: tuple[int, ...] | None = None
@@ -95,6 +96,8 @@ class DecodeConfig:
       raise ValueError(f"DecodeConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"DecodeConfig.top_p must lie in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+      raise ValueError(f"DecodeConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
     if self.alg not in DREAM_ALGS:
       raise ValueError(f"DecodeConfig.alg must be one of {DREAM_ALGS}, got {self.alg!r}")
     if self.steps is not None:
@@ -180,6 +183,7 @@ class Knobs:
   tau_conf: jax.Array  # f32
   temperature: jax.Array  # f32; 0 = greedy (a row of a sampling batch may be greedy)
   top_p: jax.Array  # f32
+  top_k: jax.Array  # int32; 0 = off
   stop_ids: jax.Array  # [MAX_STOP_TOKENS] int32, -1 = unused
   block_limit: jax.Array  # int32: response blocks a row may append (its max_new_tokens / block_size)
   in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
@@ -238,7 +242,7 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
                 tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),
-                top_p=jnp.float32(run.top_p), stop_ids=jnp.asarray(stop_array, jnp.int32),
+                top_p=jnp.float32(run.top_p), top_k=jnp.int32(run.top_k), stop_ids=jnp.asarray(stop_array, jnp.int32),
                 block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap))
   return spec, knobs
 

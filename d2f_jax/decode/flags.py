@@ -54,6 +54,7 @@ def add_decode_flags(parser) -> None:
                       help="d2f / threshold: unmask the tokens whose confidence exceeds this")
   parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature, help="0: greedy")
   parser.add_argument("--top_p", type=float, default=_DEFAULTS.top_p, help="nucleus sampling mass (1: off)")
+  parser.add_argument("--top_k", type=int, default=_DEFAULTS.top_k, help="sample among the k most probable (0: off)")
   parser.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
@@ -76,7 +77,7 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
   try:
     return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
-                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
+                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, steps=args.steps,
                         alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib)
   except ValueError as e:

@@ -27,6 +27,16 @@ def top_p_keep(logp: jax.Array, top_p: jax.Array) -> jax.Array:
   return probs >= cutoff
 
 
+def top_k_keep(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+  """Keep the k highest logits (ties with the k-th kept too); k <= 0 keeps all. logits [..., V]; top_k () or
+  broadcastable to logits[..., :1]. Returns a bool mask [..., V]."""
+  size = logits.shape[-1]
+  ranked = -jnp.sort(-logits, axis=-1)  # [..., V] descending
+  k = jnp.broadcast_to(jnp.clip(top_k, 1, size) - 1, logits.shape[:-1] + (1,)).astype(jnp.int32)
+  kth = jnp.take_along_axis(ranked, k, axis=-1)  # [..., 1]
+  return (logits >= kth) | (top_k <= 0)
+
+
 def argmax_first(x: jax.Array) -> jax.Array:
   """argmax over the last axis (first index on ties) as max + min-index: XLA:CPU's variadic argmax
   reduction is several times slower than these two plain reductions, and this sits in every step."""
@@ -39,7 +49,7 @@ def argmax_first(x: jax.Array) -> jax.Array:
 def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool):
   """Chosen ids and their confidence for logits [..., V] (fp32).
 
-  Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-p. With
+  Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-k and top-p. With
   `sample`, a row whose temperature is 0 still takes the argmax of the unscaled logits, bit for bit what a
   greedy decode computes (knobs may be per row: logits' first axis is the batch).
   Returns (ids [...] int32, confidence [...] f32, scaled logits [..., V] for `ordering_score`).
@@ -52,7 +62,9 @@ def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool)
   log_total = top + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True))  # logsumexp [..., 1]
   ids = argmax_first(scaled)
   if sample:
-    allowed = jnp.where(top_p_keep(scaled - log_total, per_row(knobs.top_p, logits.ndim)), scaled, -jnp.inf)
+    keep = top_p_keep(scaled - log_total, per_row(knobs.top_p, logits.ndim))
+    keep &= top_k_keep(scaled, per_row(knobs.top_k, logits.ndim))
+    allowed = jnp.where(keep, scaled, -jnp.inf)
     drawn = jax.random.categorical(key, allowed, axis=-1)
     ids = jnp.where(per_row(knobs.temperature, logits.ndim - 1) <= 0.0, ids, drawn)
   ids = ids.astype(jnp.int32)

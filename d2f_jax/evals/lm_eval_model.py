@@ -35,7 +35,7 @@ from d2f_jax.evals.engine_pass import engine_fits, run_engine
 from d2f_jax.evals.lm_eval_elbo import masked_elbo
 
 _DECODE_FIELDS = ("method", "block_size", "max_blocks_in_flight", "tau_add", "tau_act", "tau_conf", "temperature",
-                  "top_p", "steps", "alg", "prompt_buckets")
+                  "top_p", "top_k", "steps", "alg", "prompt_buckets")
 
 
 def cut_at_stops(text: str, until: list[str]) -> str:
@@ -171,9 +171,10 @@ class D2FJaxLM(LM):
     do_sample = bool(kwargs.pop("do_sample", False))
     temperature = float(kwargs.pop("temperature", config.temperature if do_sample else 0.0))
     top_p = float(kwargs.pop("top_p", config.top_p))
+    top_k = int(kwargs.pop("top_k", None) or config.top_k)  # HF's None / 0: off
     changes = {"max_new_tokens": _round_up(limit, config.block_size) if config.method != "ar" else limit,
-               "temperature": temperature if do_sample or temperature > 0 else 0.0, "top_p": top_p}
-    ignored = sorted(set(kwargs) - {"num_beams", "top_k", "repetition_penalty"})
+               "temperature": temperature if do_sample or temperature > 0 else 0.0, "top_p": top_p, "top_k": top_k}
+    ignored = sorted(set(kwargs) - {"num_beams", "repetition_penalty"})
     if ignored:
       print(f"d2f_jax: ignoring generation kwargs {ignored}", file=sys.stderr)
     return dataclasses.replace(config, **changes), until, limit

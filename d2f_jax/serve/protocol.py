@@ -51,6 +51,7 @@ class _Request(_Body):
   max_tokens: StrictInt | None = Field(None, ge=1)
   temperature: StrictFloat = 0.0
   top_p: StrictFloat = 1.0
+  top_k: StrictInt = Field(0, ge=-1)  # vLLM's extra: -1 or 0 = off
   stop: StrictStr | list[StrictStr] | None = None
   stop_token_ids: list[StrictInt] | None = None
   stream: StrictBool = False
@@ -124,6 +125,7 @@ def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[in
   settings = RequestSettings(
       method=body.method, max_new_tokens=-(-max_tokens // block_size) * block_size, tau_add=body.tau_add,
       tau_act=body.tau_act, tau_conf=body.tau_conf, temperature=body.temperature, top_p=body.top_p,
+      top_k=max(body.top_k, 0),
       stop_tokens=default_stops + extra_ids if extra_ids else None)
   return Plan(settings=settings, max_tokens=max_tokens, stop_ids=frozenset(default_stops + extra_ids),
               stop_strings=tuple(stops))

@@ -77,7 +77,7 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
   try:
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
-                          temperature=settings.temperature, top_p=settings.top_p,
+                          temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                           stop_tokens=None if stops is None else tuple(stops))
     _, knobs = resolve(config, model_config)
   except (TypeError, ValueError) as e:

@@ -26,6 +26,7 @@ class RequestSettings:
   tau_conf: float = 0.9
   temperature: float = 0.0
   top_p: float = 1.0
+  top_k: int = 0  # 0: off
   stop_tokens: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
 
 
