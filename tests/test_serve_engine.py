@@ -5,6 +5,8 @@ Sharpened random tiny models (test_decode.sharp_model) of both layouts; ragged p
 arrivals while other slots decode, a cancellation, d2f and threshold requests side by side.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -199,3 +201,26 @@ def test_a_sampling_engine_honours_each_rows_top_k():
   with pytest.raises(RequestError) as error:
     engine.submit(PROMPTS[0], RequestSettings(temperature=1.0, top_k=-3))
   assert error.value.field == "top_k"
+
+
+def test_a_seeded_sampled_request_draws_as_generate_alone_with_its_key():
+  """A request with a seed samples exactly as generate(..., key=jax.random.key(seed)) on it alone, in any slot
+  and beside other sampling rows; the same seed twice gives the same answer."""
+  import jax
+  model = sharp_model("llada")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 2, "sampling": True}))
+  sampled = RequestSettings(temperature=1.0, top_p=0.95, tau_conf=0.5, tau_add=0.25, tau_act=0.5)
+  seeded = [dataclasses.replace(sampled, seed=s) for s in (11, 12, 11)]
+  prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[1], PROMPTS[3]]
+  results = engine.complete(prompts, seeded + [sampled])
+  config = DecodeConfig(block_size=4, max_new_tokens=16, temperature=1.0, top_p=0.95, tau_conf=0.5, tau_add=0.25,
+                        tau_act=0.5, prompt_buckets=8)
+  for i, s in enumerate(seeded):
+    want = generate(model, [prompts[i]], config, key=jax.random.key(s.seed))
+    n = int(want.lengths[0])
+    assert results[i].tokens == np.asarray(want.tokens[0, :n]).tolist(), i
+    assert (results[i].forwards, results[i].trace) == (int(want.forwards[0]), np.asarray(want.trace[0]).tolist()), i
+  assert results[0].tokens == results[2].tokens
+  with pytest.raises(RequestError) as error:
+    engine.submit(PROMPTS[0], dataclasses.replace(sampled, seed=1.5))
+  assert error.value.field == "seed"

@@ -20,7 +20,7 @@ import numpy as np
 
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
-from d2f_jax.decode.sampling import choose_tokens, is_stop, ordering_score, rank_descending
+from d2f_jax.decode.sampling import choose_tokens, is_stop, ordering_score, rank_descending, row_keys, split_rows
 from d2f_jax.models import PAD_ID, KVCache, align_logits
 
 DREAM_EPS = 1e-3
@@ -120,13 +120,13 @@ class ARState:
   done: jax.Array  # [B] bool
   forwards: jax.Array  # [B] int32
   trace: jax.Array  # [B, N] int32
-  key: jax.Array
+  key: jax.Array  # [B] one PRNG key per row (sampling.row_keys)
   t: jax.Array  # () int32 tokens produced so far; [B] when rows started at different times (the engine)
 
 
 def _ar_emit(state: ARState, logits: jax.Array, knobs: Knobs, spec: DecodeSpec) -> ARState:
   """Choose the token after the last one from raw logits [B, V] and write it at response index t."""
-  key, sub = jax.random.split(state.key)
+  key, sub = split_rows(state.key)
   choice, _, _ = choose_tokens(logits, sub, knobs, spec.sample)  # [B]
   live = ~state.done
   token = jnp.where(live, choice, spec.model.pad_token_id)
@@ -154,7 +154,8 @@ def init_ar(model, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec) -> A
   state = ARState(tokens=jnp.concatenate([prompt.astype(jnp.int32), response], axis=1),
                   prompt_len=prompt_len.astype(jnp.int32), cache=cache, done=jnp.zeros((batch,), bool),
                   forwards=jnp.zeros((batch,), jnp.int32),
-                  trace=jnp.full((batch, spec.max_new_tokens), -1, jnp.int32), key=key, t=jnp.int32(0))
+                  trace=jnp.full((batch, spec.max_new_tokens), -1, jnp.int32), key=row_keys(key, batch),
+                  t=jnp.int32(0))
   return _ar_emit(state, raw[:, -1], knobs, spec)
 
 

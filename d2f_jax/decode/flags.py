@@ -77,8 +77,8 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
   try:
     return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
-                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, steps=args.steps,
-                        alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
+                        tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        steps=args.steps, alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e

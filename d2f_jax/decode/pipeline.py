@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from d2f_jax.decode.config import DecodeSpec, Knobs, per_row
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
-from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop
+from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop, row_keys, split_rows
 from d2f_jax.models import PAD_ID, KVCache, align_logits
 
 # Window block states, as the last forward saw them (`D2FState.blocks`).
@@ -48,7 +48,7 @@ class D2FState:
   forwards: jax.Array  # [B] int32 forwards (= steps) the row took
   trace: jax.Array  # [B, N + W] int32 step at which each response position was accepted, -1
   blocks: jax.Array  # [B, window_blocks] int32 state of each slot of the widest window (EMPTY ...)
-  key: jax.Array  # PRNG key, split once per step
+  key: jax.Array  # [B] PRNG keys, one per row (sampling.row_keys), each split once per step
   t: jax.Array  # () int32 loop iterations (safety bound)
   max_in_flight: jax.Array  # [B] int32
   semi_steps: jax.Array  # [B] int32
@@ -104,7 +104,8 @@ def fresh_state(prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, spec: 
       cache=KVCache.init(config, batch, width + spec.max_new_tokens),
       prev_logits=jnp.zeros((batch, config.vocab_size), jnp.float32), cached=zeros, pending=zeros,
       added=jnp.ones((batch,), jnp.int32), eos=jnp.zeros((batch,), bool), done=jnp.zeros((batch,), bool),
-      forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32), key=key,
+      forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32),
+      key=row_keys(key, batch),
       blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
       semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros)
 
@@ -114,7 +115,8 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   """Append block 0 and run the first step: one forward over prompt + window that also prefills the cache.
   Only block 0 exists, so the window is the narrowest compiled one.
 
-  prompt: [B, P] left-padded ids; prompt_len: [B] real lengths (>= 1).
+  prompt: [B, P] left-padded ids; prompt_len: [B] real lengths (>= 1); key: one key (row i samples from
+  fold_in(key, i)) or the rows' own keys [B].
   """
   config = spec.model
   batch, width = prompt.shape
@@ -132,7 +134,7 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   # The head runs on the window and the last prompt row only (Dream's shift takes its output).
   raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + w, V]
   logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, w, V]
-  key, sub = jax.random.split(state.key)
+  key, sub = split_rows(state.key)
   choice, confidence = _choose(logits, sub, knobs, spec)
   state = state.replace(cache=cache, prev_logits=raw[:, 0], key=key)
   return _advance(state, win_tokens, win_cols, choice, confidence, spec.window_widths[0], knobs, spec)
@@ -152,7 +154,7 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
   `spec.window_widths`); every branch returns widest-window shapes, so the bookkeeping is width-free."""
   tokens, positions, ids, cols = _window_inputs(state, spec)
   written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B]
-  key, sub = jax.random.split(state.key)
+  key, sub = split_rows(state.key)
 
   def forward(blocks: int):
     def run(_):

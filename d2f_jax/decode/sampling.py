@@ -37,6 +37,20 @@ def top_k_keep(logits: jax.Array, top_k: jax.Array) -> jax.Array:
   return (logits >= kth) | (top_k <= 0)
 
 
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+  """Per-row PRNG keys [B]: row i of a batch decoded with `key` samples from fold_in(key, i), so a row's draws
+  depend on its key and its own steps only, never on what else shares the batch. Given [B] keys, those."""
+  if key.ndim == 1:
+    return key
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
+
+
+def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each row's key split once: (next keys [B], keys for this step's draws [B])."""
+  both = jax.vmap(jax.random.split)(keys)  # [B, 2]
+  return both[:, 0], both[:, 1]
+
+
 def argmax_first(x: jax.Array) -> jax.Array:
   """argmax over the last axis (first index on ties) as max + min-index: XLA:CPU's variadic argmax
   reduction is several times slower than these two plain reductions, and this sits in every step."""
@@ -52,6 +66,7 @@ def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool)
   Greedy takes the argmax; sampling draws from softmax(logits / temperature) restricted to top-k and top-p. With
   `sample`, a row whose temperature is 0 still takes the argmax of the unscaled logits, bit for bit what a
   greedy decode computes (knobs may be per row: logits' first axis is the batch).
+  key: one key, or one per row ([B], `row_keys`: each row draws from its own).
   Returns (ids [...] int32, confidence [...] f32, scaled logits [..., V] for `ordering_score`).
   """
   scaled = logits.astype(jnp.float32)
@@ -65,7 +80,10 @@ def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool)
     keep = top_p_keep(scaled - log_total, per_row(knobs.top_p, logits.ndim))
     keep &= top_k_keep(scaled, per_row(knobs.top_k, logits.ndim))
     allowed = jnp.where(keep, scaled, -jnp.inf)
-    drawn = jax.random.categorical(key, allowed, axis=-1)
+    if key.ndim == 1:  # per row
+      drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row, axis=-1))(key, allowed)
+    else:
+      drawn = jax.random.categorical(key, allowed, axis=-1)
     ids = jnp.where(per_row(knobs.temperature, logits.ndim - 1) <= 0.0, ids, drawn)
   ids = ids.astype(jnp.int32)
   chosen = jnp.take_along_axis(scaled, ids[..., None], axis=-1)

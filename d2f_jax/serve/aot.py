@@ -72,13 +72,13 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules
   def advance(params, state, knobs):
     return programs.advance(graphdef, params, state, knobs, spec=spec, steps=config.steps_per_call, layout=layout)
 
-  def insert(params, state, knobs, slots, prompt, prompt_len, row_knobs, key):
-    return programs.insert(graphdef, params, state, knobs, slots, prompt, prompt_len, row_knobs, key, spec=spec,
+  def insert(params, state, knobs, slots, prompt, prompt_len, row_knobs, seeds):
+    return programs.insert(graphdef, params, state, knobs, slots, prompt, prompt_len, row_knobs, seeds, spec=spec,
                            layout=layout)
   width = config.prompt_width
   insert_args = (params, state, slot_knobs, _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep),
                  _sds(jax.ShapeDtypeStruct((size, width), jnp.int32), rep),
                  _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep), row_knobs,
-                 _sds(jax.eval_shape(lambda: jax.random.key(0)), rep))
+                 _sds(jax.ShapeDtypeStruct((size,), jnp.uint32), rep))
   return {"serve_advance": (jax.jit(advance, donate_argnums=(1,)), (params, state, slot_knobs)),
           "serve_insert": (jax.jit(insert, donate_argnums=(1, 2)), insert_args)}

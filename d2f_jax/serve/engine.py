@@ -124,7 +124,7 @@ class Engine(BackgroundLoop):
     self._admitting = True
     self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')
     self._thread: threading.Thread | None = None
-    self._key = jax.random.key(0)
+    self._seeds = np.random.default_rng(0)  # a request without a seed gets the next draw: runs repeat
 
   # --- requests -------------------------------------------------------------------------------------------
 
@@ -141,8 +141,9 @@ class Engine(BackgroundLoop):
         raise EngineStopped("the engine is shutting down and admits no new requests")
       if len(self.queue) >= self.config.queue_size:
         raise QueueFull(f"{len(self.queue)} requests are waiting (queue_size {self.config.queue_size})")
+      seed = settings.seed if settings.seed is not None else int(self._seeds.integers(2 ** 32))
       request = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, settings=settings,
-                        max_new_tokens=n, knobs=knobs, stops=stops, callback=callback)
+                        max_new_tokens=n, knobs=knobs, stops=stops, callback=callback, seed=seed % 2 ** 32)
       self.queue.append(request)
       self._lock.notify_all()
     return request.id
@@ -193,7 +194,7 @@ class Engine(BackgroundLoop):
     for width in self.config.prompt_buckets:
       for size in self.config.insert_sizes:
         prompts = np.full((size, width), self.model.config.pad_token_id, np.int32)
-        self._insert(list(range(size)), prompts, np.ones((size,), np.int32), [knobs] * size)
+        self._insert(list(range(size)), prompts, np.ones((size,), np.int32), [knobs] * size, [0] * size)
         self.state = programs.release(self.state, np.arange(size, dtype=np.int32))
     self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
                                   steps=self.config.steps_per_call, layout=self.layout)
@@ -246,17 +247,18 @@ class Engine(BackgroundLoop):
         for row, request in enumerate(chunk):
           prompts[row, width - request.prompt.size:] = request.prompt
         slots = [next(free_slots) for _ in chunk]
-        self._insert(slots, prompts, np.asarray([r.prompt.size for r in chunk], np.int32), [r.knobs for r in chunk])
+        self._insert(slots, prompts, np.asarray([r.prompt.size for r in chunk], np.int32), [r.knobs for r in chunk],
+                     [r.seed for r in chunk])
         for slot, request in zip(slots, chunk):
           request.slot, self.slots[slot] = slot, request
 
-  def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list) -> None:
+  def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list,
+              seeds: list[int]) -> None:
     self.insert_calls += 1
-    self._key, key = jax.random.split(self._key)
     row_knobs = jax.tree.map(lambda *rows: np.stack([np.asarray(r) for r in rows]), *knobs)
     self.state, self.knobs = programs.insert(
         self.model.graphdef, self.model.state, self.state, self.knobs, np.asarray(slots, np.int32), prompts,
-        prompt_lens, row_knobs, key, spec=self.spec, layout=self.layout)
+        prompt_lens, row_knobs, np.asarray(seeds, np.uint32), spec=self.spec, layout=self.layout)
 
   def _publish(self) -> None:
     """Read the slots once; stream settled ids; finish and free the slots that are done."""

@@ -28,6 +28,7 @@ from flax import nnx
 from d2f_jax.decode import baselines, pipeline
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state
+from d2f_jax.decode.sampling import row_keys
 from d2f_jax.models import PAD_ID, KVCache
 from d2f_jax.sharding import MeshLayout, mesh_layout
 
@@ -47,7 +48,8 @@ def _fresh_ar(prompt: jax.Array, prompt_len: jax.Array, spec: DecodeSpec) -> bas
   return baselines.ARState(tokens=jnp.concatenate([prompt, response], axis=1), prompt_len=prompt_len,
                            cache=KVCache.init(spec.model, slots, prompt.shape[1] + spec.max_new_tokens),
                            done=jnp.zeros((slots,), bool), forwards=zeros,
-                           trace=jnp.full((slots, spec.max_new_tokens), -1, jnp.int32), key=jax.random.key(0), t=zeros)
+                           trace=jnp.full((slots, spec.max_new_tokens), -1, jnp.int32),
+                           key=row_keys(jax.random.key(0), slots), t=zeros)
 
 
 def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs):
@@ -82,15 +84,17 @@ def _into_width(row, prompt_width: int, spec: DecodeSpec):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"), donate_argnums=(2, 3))
 def insert(graphdef, params, state, knobs: Knobs, slots: jax.Array, prompt: jax.Array,
-           prompt_len: jax.Array, row_knobs: Knobs, key: jax.Array, *, spec: DecodeSpec,
+           prompt_len: jax.Array, row_knobs: Knobs, seeds: jax.Array, *, spec: DecodeSpec,
            layout: MeshLayout | None = None):
   """Prefill m requests into distinct free `slots` [m] in one call: prompt [m, bucket] left-padded,
-  prompt_len [m], row_knobs leaves [m, ...], key for their first step's sampling. Each row decodes as it
-  would alone: the prefill is per row, and rows never attend to each other."""
+  prompt_len [m], row_knobs leaves [m, ...], seeds [m] uint32. Each row decodes as it would alone: the
+  prefill is per row, rows never attend to each other, and a row samples from fold_in(key(seed), 0), the key
+  of row 0 of `generate(..., key=jax.random.key(seed))`."""
   count, width = state.tokens.shape[0], _prompt_width(state, spec)
   init = baselines.init_ar if _is_ar(spec) else pipeline.init
   with mesh_layout(layout):
-    rows = init(nnx.merge(graphdef, params), prompt, prompt_len, key, row_knobs, spec)
+    keys = jax.vmap(lambda seed: row_keys(jax.random.key(seed), 1)[0])(seeds)  # [m]
+    rows = init(nnx.merge(graphdef, params), prompt, prompt_len, keys, row_knobs, spec)
   if _is_ar(spec):
     rows = rows.replace(t=jnp.broadcast_to(rows.t, prompt_len.shape))
   rows = _into_width(rows, width, spec)
@@ -105,8 +109,8 @@ def insert(graphdef, params, state, knobs: Knobs, slots: jax.Array, prompt: jax.
 
 
 def _row_fields(state, slots: int) -> list[str]:
-  """The loop state's fields with a leading slot axis (the cache is placed apart; the key, and d2f's step
-  counter, are shared by all slots)."""
+  """The loop state's fields with a leading slot axis, the rows' PRNG keys among them (the cache is placed
+  apart; d2f's step counter is shared by all slots)."""
   return [f.name for f in dataclasses.fields(state) if f.name != "cache"
           and getattr(state, f.name).ndim and getattr(state, f.name).shape[0] == slots]
 

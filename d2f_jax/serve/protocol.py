@@ -8,8 +8,8 @@ Semantics that differ from OpenAI's, all stated in the README:
 - `max_tokens` may be any count up to the engine's bound: the engine decodes whole blocks, so it is rounded up
   to the block size and the answer is cut at `max_tokens` tokens (finish_reason 'length');
 - `stop_token_ids` add to the model's eos / end-of-turn ids; a stop id ends the answer and is not in its text;
-- `n` must be 1, `echo` false; `seed` is accepted for greedy decoding (which it cannot change) and refused with
-  temperature > 0 (the engine samples with its own key, so a seed could not reproduce a sample).
+- `n` must be 1, `echo` false; `seed` makes a sampled answer reproducible: the request draws as
+  `generate(..., key=jax.random.key(seed))` alone, whatever shares the engine.
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[in
     raise BadRequest("echo", "echo=true is not supported")
   if body.stream_options is not None and not body.stream:
     raise BadRequest("stream_options", "is only allowed with stream=true")
-  if body.seed is not None and body.temperature > 0:
-    raise BadRequest("seed", "per-request seeds are not supported when sampling (temperature > 0)")
   if isinstance(getattr(body, "max_completion_tokens", None), int) and body.max_tokens is not None:
     raise BadRequest("max_tokens", "give max_tokens or max_completion_tokens, not both")
   field, wanted = body.requested_tokens()
@@ -125,7 +123,7 @@ def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[in
   settings = RequestSettings(
       method=body.method, max_new_tokens=-(-max_tokens // block_size) * block_size, tau_add=body.tau_add,
       tau_act=body.tau_act, tau_conf=body.tau_conf, temperature=body.temperature, top_p=body.top_p,
-      top_k=max(body.top_k, 0),
+      top_k=max(body.top_k, 0), seed=body.seed,
       stop_tokens=default_stops + extra_ids if extra_ids else None)
   return Plan(settings=settings, max_tokens=max_tokens, stop_ids=frozenset(default_stops + extra_ids),
               stop_strings=tuple(stops))

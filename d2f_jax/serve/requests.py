@@ -30,6 +30,7 @@ class Request:
   knobs: Knobs  # numpy scalars: what goes into the slot's row of the engine's knobs
   stops: frozenset
   callback: EventCallback | None
+  seed: int = 0  # its sampling key is jax.random.key(seed), as `generate(..., key=jax.random.key(seed))` alone
   slot: int | None = None
   emitted: int = 0  # ids streamed so far
   cancelled: bool = False
@@ -69,6 +70,8 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
   if settings.temperature and not sampling:
     raise RequestError("temperature", f"this engine decodes greedily (temperature 0); got {settings.temperature!r}: "
                                       "start it with sampling enabled to sample")
+  if settings.seed is not None and (not isinstance(settings.seed, int) or isinstance(settings.seed, bool)):
+    raise RequestError("seed", f"must be an integer, got {settings.seed!r}")
   stops = settings.stop_tokens
   if stops is not None and (len(stops) > MAX_STOP_TOKENS or any(
       not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model_config.vocab_size for t in stops)):

@@ -27,6 +27,7 @@ class RequestSettings:
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0  # 0: off
+  seed: int | None = None  # sampling: the request's draws are generate(..., key=jax.random.key(seed % 2**32))'s
   stop_tokens: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
 
 
