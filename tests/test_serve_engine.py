@@ -154,7 +154,7 @@ def test_a_failing_engine_ends_every_request_and_says_why(monkeypatch):
 
 
 def test_admission_counts_are_compiled_sizes_without_padding():
-  from d2f_jax.serve.engine import split_admissions
+  from d2f_jax.serve.config import split_admissions
   assert EngineConfig(slots=32, max_insert=8).insert_sizes == (1, 2, 4, 8)
   assert EngineConfig(slots=6, max_insert=8).insert_sizes == (1, 2, 4)
   assert EngineConfig(slots=3, max_insert=1).insert_sizes == (1,)

@@ -17,7 +17,7 @@ from d2f_jax.decode.config import DecodeConfig, resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.models import KVCache, ModelConfig, Transformer
 from d2f_jax.serve import programs
-from d2f_jax.serve.engine import EngineConfig
+from d2f_jax.serve.config import EngineConfig
 
 
 def _abstract_params(model_config: ModelConfig, placement):

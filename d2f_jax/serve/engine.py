@@ -18,7 +18,6 @@ Thread model: `submit` / `cancel` may be called from any thread; device work run
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 import time
@@ -31,69 +30,9 @@ from d2f_jax.decode import limits
 from d2f_jax.decode.config import DecodeConfig, check_method_fits, model_attention, resolve
 from d2f_jax.serve import programs
 from d2f_jax.serve.background import BackgroundLoop
+from d2f_jax.serve.config import EngineConfig, split_admissions
 from d2f_jax.serve.requests import Request, check_prompt, completion, request_knobs, settled_ids
-from d2f_jax.serve.types import (ENGINE_METHODS, Completion, EngineStopped, Event, EventCallback, QueueFull,
-                                 RequestSettings)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Fixed per engine: shapes and the bound on what a request may ask."""
-
-  slots: int = 32
-  method: str = "d2f"  # 'd2f' (requests: d2f or threshold) or 'ar' (the causal baseline model)
-  block_size: int = 32
-  max_new_tokens: int = 256  # the bound; each request may ask for less (a multiple of block_size)
-  max_prompt_len: int = 512
-  prompt_bucket: int = 64  # prefill widths: multiples of this up to max_prompt_len
-  steps_per_call: int = 8  # D2F steps per device call (it returns early when a slot finishes)
-  max_insert: int = 8  # requests prefilled together in one insert call (powers of two up to this, and slots)
-  queue_size: int = 4096  # waiting requests beyond the slots; more are refused (QueueFull)
-  sampling: bool = False  # compile the sampling path (requests may set temperature > 0)
-  max_blocks_in_flight: int | None = None  # the engine's cap; None as the paper
-  memory_budget_gib: float | None = None
-
-  def __post_init__(self):
-    for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
-                 "max_insert", "queue_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-    if self.method not in ENGINE_METHODS:
-      raise ValueError(f"EngineConfig.method must be one of {tuple(ENGINE_METHODS)}, got {self.method!r}")
-    if self.max_new_tokens % self.block_size:
-      raise ValueError(f"EngineConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of block_size "
-                       f"({self.block_size})")
-
-  @property
-  def prompt_width(self) -> int:
-    """Every slot's prompt columns P: max_prompt_len rounded up to 8 (sublanes), not to a bucket, since every
-    step of every slot attends over P + max_new_tokens cache columns."""
-    return -(-self.max_prompt_len // 8) * 8
-
-  @property
-  def prompt_buckets(self) -> tuple[int, ...]:
-    """Prefill widths: the multiples of prompt_bucket below the prompt width, then the prompt width."""
-    return tuple(range(self.prompt_bucket, self.prompt_width, self.prompt_bucket)) + (self.prompt_width,)
-
-  @property
-  def insert_sizes(self) -> tuple[int, ...]:
-    """Requests per insert call, each its own program: 1, 2, 4, ... up to min(max_insert, slots)."""
-    top = min(self.max_insert, self.slots)
-    return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
-
-  def bucket(self, prompt_len: int) -> int:
-    return min(-(-prompt_len // self.prompt_bucket) * self.prompt_bucket, self.prompt_width)
-
-
-def split_admissions(count: int, sizes: Sequence[int]) -> list[int]:
-  """count requests as insert calls of the compiled sizes, largest first and none padded (13, (1, 2, 4, 8)
-  -> [8, 4, 1])."""
-  chunks = []
-  while count:
-    chunks.append(max(s for s in sizes if s <= count))
-    count -= chunks[-1]
-  return chunks
+from d2f_jax.serve.types import Completion, EngineStopped, Event, EventCallback, QueueFull, RequestSettings
 
 
 class Engine(BackgroundLoop):
