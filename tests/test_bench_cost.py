@@ -91,6 +91,8 @@ def test_cli_on_the_cpu_compiler_prints_projections_and_reuses_its_cache(tmp_pat
     assert d2f[f"vs AR b{b}"].count("x") == 2
   assert " / " in d2f["AR faster from batch"]
   assert methods[("vanilla", "LLaDA semi-AR, 40 steps")]["tok/s b1"] == " / "  # full_step not compiled
+  # Every row has every column (a table printed from rows takes them all; vanilla rows first lack the crossover).
+  assert len({tuple(m) for m in table["methods"]}) == 1 and "AR faster from batch" in first
   assert cost.main(argv) == 0  # everything from the cache now
   assert "compiled in" not in capsys.readouterr().out
 

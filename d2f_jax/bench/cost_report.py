@@ -74,7 +74,8 @@ def method_rows(results: list[dict], tables: dict, batches: list[int], new_token
       if r["method"] in ("d2f", "threshold"):
         row["AR faster from batch"] = " / ".join(_crossover(r, ar, tables[s], new_tokens) for s in SOURCES)
     rows.append(row)
-  return rows
+  columns = list(dict.fromkeys(k for row in rows for k in row))  # tables take their columns from every row
+  return [{k: row.get(k, "") for k in columns} for row in rows]
 
 
 def _crossover(row: dict, ar: dict, table: dict, new_tokens: int) -> str:
