@@ -208,7 +208,10 @@ def test_a_sampled_row_draws_from_its_own_key_whatever_shares_the_batch():
 def test_top_k_keeps_the_k_most_probable_per_row():
   import jax
   import jax.numpy as jnp
-  from d2f_jax.decode.sampling import top_k_keep
+  from d2f_jax.decode.sampling import sampling_keep
+
+  def top_k_keep(logits, k):  # top_p 1: the top-k filter alone
+    return sampling_keep(logits, jax.nn.logsumexp(logits, axis=-1, keepdims=True), jnp.float32(1.0), k)
   logits = jnp.asarray([[3.0, 1.0, 2.0, 0.0], [0.0, 5.0, 4.0, 4.0]])
   assert np.asarray(top_k_keep(logits, jnp.int32(2))).tolist() == [[True, False, True, False],
                                                                     [False, True, True, True]]  # a tie at the k-th

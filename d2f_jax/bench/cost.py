@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--widths", help="D2F window widths in blocks (default: the decoder's width set)")
   p.add_argument("--batch", default="1,32", help="batches compiled (>= 2; other batches are affine between)")
   p.add_argument("--project", default="1,8,32,128", help="batches of the tokens/s table")
-  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill", help="forwards compiled, comma-separated")
+  p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill",
+                 help="forwards compiled, comma-separated")
   p.add_argument("--tiny", action="store_true", help="tiny-llada / tiny-dream, cache 64, 32 new tokens, block 8")
   p.add_argument("--datasheet", help="price every target on this data sheet (default: the target's own)")
   p.add_argument("--cache", default="results/bench_cost_cache",

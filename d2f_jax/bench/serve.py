@@ -128,7 +128,8 @@ def parse_args(argv):
   p.add_argument("--max_insert", type=int, default=8, help="engine: requests prefilled together in one call")
   p.add_argument("--prompt_bucket", type=int, default=32,
                  help="prompts padded to a multiple of this: per batch's longest (static), per request (engine)")
-  p.add_argument("--repeats", type=int, default=5, help="timed runs of each side, alternating; the best of each reported")
+  p.add_argument("--repeats", type=int, default=5,
+                 help="timed runs of each side, alternating; the best of each reported")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
   p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
   p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")

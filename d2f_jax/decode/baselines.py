@@ -126,7 +126,7 @@ class ARState:
 
 def _ar_emit(state: ARState, logits: jax.Array, knobs: Knobs, spec: DecodeSpec) -> ARState:
   """Choose the token after the last one from raw logits [B, V] and write it at response index t."""
-  key, sub = split_rows(state.key)
+  key, sub = split_rows(state.key, spec.sample)
   choice, _, _ = choose_tokens(logits, sub, knobs, spec.sample)  # [B]
   live = ~state.done
   token = jnp.where(live, choice, spec.model.pad_token_id)

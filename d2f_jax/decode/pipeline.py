@@ -134,7 +134,7 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   # The head runs on the window and the last prompt row only (Dream's shift takes its output).
   raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + w, V]
   logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, w, V]
-  key, sub = split_rows(state.key)
+  key, sub = split_rows(state.key, spec.sample)
   choice, confidence = _choose(logits, sub, knobs, spec)
   state = state.replace(cache=cache, prev_logits=raw[:, 0], key=key)
   return _advance(state, win_tokens, win_cols, choice, confidence, spec.window_widths[0], knobs, spec)
@@ -154,7 +154,7 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
   `spec.window_widths`); every branch returns widest-window shapes, so the bookkeeping is width-free."""
   tokens, positions, ids, cols = _window_inputs(state, spec)
   written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B]
-  key, sub = split_rows(state.key)
+  key, sub = split_rows(state.key, spec.sample)
 
   def forward(blocks: int):
     def run(_):

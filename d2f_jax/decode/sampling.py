@@ -14,27 +14,21 @@ import jax.numpy as jnp
 from d2f_jax.decode.config import Knobs, per_row
 
 
-def top_p_keep(logp: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Nucleus filter: keep the most probable tokens until their mass reaches top_p (the first always).
-
-  logp: [..., V] log-probabilities. Returns a bool mask [..., V].
+def sampling_keep(scaled: jax.Array, log_total: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+  """The tokens a draw may pick, from one descending sort of the scaled logits [..., V] (a sort over a 126k
+  vocabulary per position is the filters' whole cost, so top-p and top-k share it):
+  - top-p (nucleus): the most probable tokens until their mass reaches top_p (the first always);
+  - top-k: the k highest (ties with the k-th kept too); k <= 0 keeps all.
+  log_total: logsumexp [..., 1]; top_p, top_k: () or per row, broadcastable to [..., 1]. Returns bool [..., V].
   """
-  probs = jnp.exp(logp)
-  ranked = -jnp.sort(-probs, axis=-1)  # [..., V] descending
-  mass_before = jnp.cumsum(ranked, axis=-1) - ranked
-  kept = mass_before <= top_p
-  cutoff = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)  # smallest kept probability
-  return probs >= cutoff
-
-
-def top_k_keep(logits: jax.Array, top_k: jax.Array) -> jax.Array:
-  """Keep the k highest logits (ties with the k-th kept too); k <= 0 keeps all. logits [..., V]; top_k () or
-  broadcastable to logits[..., :1]. Returns a bool mask [..., V]."""
-  size = logits.shape[-1]
-  ranked = -jnp.sort(-logits, axis=-1)  # [..., V] descending
-  k = jnp.broadcast_to(jnp.clip(top_k, 1, size) - 1, logits.shape[:-1] + (1,)).astype(jnp.int32)
-  kth = jnp.take_along_axis(ranked, k, axis=-1)  # [..., 1]
-  return (logits >= kth) | (top_k <= 0)
+  size = scaled.shape[-1]
+  ranked = -jnp.sort(-scaled, axis=-1)  # [..., V] descending
+  ranked_probs = jnp.exp(ranked - log_total)  # the probabilities, sorted (exp is monotone)
+  mass_before = jnp.cumsum(ranked_probs, axis=-1) - ranked_probs
+  cutoff = jnp.min(jnp.where(mass_before <= top_p, ranked_probs, jnp.inf), axis=-1, keepdims=True)
+  k = jnp.broadcast_to(jnp.clip(top_k, 1, size) - 1, scaled.shape[:-1] + (1,)).astype(jnp.int32)
+  kth = jnp.take_along_axis(ranked, k, axis=-1)  # [..., 1] the k-th highest scaled logit
+  return (jnp.exp(scaled - log_total) >= cutoff) & ((scaled >= kth) | (top_k <= 0))
 
 
 def row_keys(key: jax.Array, batch: int) -> jax.Array:
@@ -45,8 +39,11 @@ def row_keys(key: jax.Array, batch: int) -> jax.Array:
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch, dtype=jnp.uint32))
 
 
-def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each row's key split once: (next keys [B], keys for this step's draws [B])."""
+def split_rows(keys: jax.Array, sample: bool) -> tuple[jax.Array, jax.Array]:
+  """Each row's key split once: (next keys [B], keys for this step's draws [B]). A greedy program draws
+  nothing, so its keys are passed on unsplit (no per-row threefry in every step)."""
+  if not sample:
+    return keys, keys
   both = jax.vmap(jax.random.split)(keys)  # [B, 2]
   return both[:, 0], both[:, 1]
 
@@ -77,8 +74,7 @@ def choose_tokens(logits: jax.Array, key: jax.Array, knobs: Knobs, sample: bool)
   log_total = top + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True))  # logsumexp [..., 1]
   ids = argmax_first(scaled)
   if sample:
-    keep = top_p_keep(scaled - log_total, per_row(knobs.top_p, logits.ndim))
-    keep &= top_k_keep(scaled, per_row(knobs.top_k, logits.ndim))
+    keep = sampling_keep(scaled, log_total, per_row(knobs.top_p, logits.ndim), per_row(knobs.top_k, logits.ndim))
     allowed = jnp.where(keep, scaled, -jnp.inf)
     if key.ndim == 1:  # per row
       drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row, axis=-1))(key, allowed)

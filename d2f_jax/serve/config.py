@@ -56,7 +56,9 @@ class EngineConfig:
     return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
 
   def bucket(self, prompt_len: int) -> int:
-    return min(-(-prompt_len // self.prompt_bucket) * self.prompt_bucket, self.prompt_width)
+    """The prefill width of a prompt: the smallest of `prompt_buckets` (the widths warm-up compiles) that holds
+    it."""
+    return next(width for width in self.prompt_buckets if width >= prompt_len)
 
 
 def split_admissions(count: int, sizes: Sequence[int]) -> list[int]:
