@@ -171,7 +171,8 @@ def test_every_parameter_has_logical_axes():
 
 
 def test_remat_keeps_logits_and_gradients():
-  """Rematerialised layers trade compute for memory only: same loss and gradients."""
+  """Rematerialised layers trade compute for memory only, and unrolled layers compile differently only:
+  same loss and gradients as the plain scan."""
   tokens = random_tokens(TINY_DREAM, 2, 12, seed=5)
   positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
   ids = attention_ids(positions, "block_causal", prompt_len=4, block_size=4)
@@ -186,7 +187,8 @@ def test_remat_keeps_logits_and_gradients():
     return jax.value_and_grad(loss)(state)
 
   plain_loss, plain_grads = loss_and_grads(TINY_DREAM)
-  remat_loss, remat_grads = loss_and_grads(TINY_DREAM.replace(remat=True))
-  np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # fp32 reassociation in the recompute
+  for variant in (dict(remat=True), dict(layer_loop="unroll"), dict(layer_loop="unroll", remat=True)):
+    loss, grads = loss_and_grads(TINY_DREAM.replace(**variant))
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-6, err_msg=str(variant))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(variant))  # fp32 reassociation

@@ -62,6 +62,17 @@ def _window_inputs(rng, heads, dtype, cache_size, lengths, window=11, block=4):
               cache_v=garbage(cache_v), cache_ids=cache_ids, cache_len=lengths), jnp.asarray(written)
 
 
+def _pallas_operand_shapes(jaxpr):
+  """The operand shapes of every pallas_call in a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield [tuple(v.aval.shape) for v in eqn.invars]
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _pallas_operand_shapes(inner)
+
+
 def _sequence_ids(pattern, batch, length):
   positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
   valid = positions >= jnp.asarray([[0], [3]])  # row 1 is left-padded by three tokens
@@ -76,6 +87,7 @@ class TestKernelsGPUInterpret:
   WINDOW_BLOCKS = BlockSizes(block_q=16, block_k=16)
   FLASH_BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16)
   CACHE_SIZE = 40  # not a multiple of block_k: the wrapper pads the cache
+  STACKED_CACHE_SIZE = 48
   SEQ_LEN = 45
 
   def _window(self, **inputs):
@@ -121,6 +133,21 @@ class TestKernelsGPUInterpret:
     ignore_len = dict(clean, cache_ids=jnp.where(written, clean["cache_ids"], -1),
                       cache_len=jnp.full_like(clean["cache_len"], self.CACHE_SIZE))
     assert np.abs(actual - np.asarray(window_attention_reference(**ignore_len)))[valid].max() > 1e-2
+
+  def test_window_reads_one_layer_of_a_stacked_cache_in_place(self):
+    """layer=i on the stacked [L, B, S, K, D] cache equals the call on its slice i, and the kernel takes the
+    stack whole (a slice would be a copy per call); the other layers hold NaN, so reading one would show."""
+    rng = _rng(self.INTERPRET, "stacked")
+    size = self.STACKED_CACHE_SIZE  # a multiple of block_k: no padding, so nothing forces a slice
+    inputs, _ = _window_inputs(rng, HEADS["mha"], "float32", size, lengths=(size, 0, 9))
+    poison = jnp.full_like(inputs["cache_k"], jnp.nan)
+    stacked = dict(inputs, cache_k=jnp.stack([poison, inputs["cache_k"], poison]),
+                   cache_v=jnp.stack([poison, inputs["cache_v"], poison]))
+    actual = self._window(**stacked, layer=1)
+    np.testing.assert_array_equal(np.asarray(actual), np.asarray(self._window(**inputs)))
+    jaxpr = jax.make_jaxpr(lambda a: self._window(**a, layer=1))(stacked)
+    operands = [shape for shapes in _pallas_operand_shapes(jaxpr.jaxpr) for shape in shapes]
+    assert any(shape[:3] == (3, 3, size) for shape in operands), operands
 
   @pytest.mark.parametrize("pattern,heads,dtype", [("block_causal", "gqa7", "float32"),
                                                    ("bidirectional", "mha", "bfloat16"),
@@ -175,6 +202,7 @@ class TestKernelsTPUInterpret(TestKernelsGPUInterpret):
   FLASH_BLOCKS = BlockSizes(block_q=16, block_k=128, block_q_dkv=128, block_k_dkv=128, block_q_dq=32,
                             block_k_dq=128)
   CACHE_SIZE = 256  # two cache tiles: one skipped for the short rows, both read for the full one
+  STACKED_CACHE_SIZE = 256
   SEQ_LEN = 200  # two key tiles, the second partly padding
 
 
@@ -215,6 +243,11 @@ def test_window_rejects_bad_arguments():
       (dict(win_ids=ids[:, :3]), r"win_ids must have shape \[1, 8\]")]:
     with pytest.raises(ValueError, match=message):
       window_attention(**{**good, **change}, impl="pallas", interpret="tpu")
+  stacked = dict(good, cache_k=jnp.stack([cache, cache]), cache_v=jnp.stack([cache, cache]))
+  with pytest.raises(ValueError, match=r"layer must be an int indexing cache_k's leading \[L\] axis, got 2"):
+    window_attention(**stacked, layer=2, impl="pallas", interpret="tpu")
+  with pytest.raises(ValueError, match=r"stacked \[L, B, S, K, D\] cache: pass layer="):
+    window_attention(**stacked, impl="pallas", interpret="tpu")
 
 
 def test_block_sizes_and_dispatch_are_validated():

@@ -50,14 +50,21 @@ def test_flash_forward_and_backward_lower(platform, dtype, heads, head_dim):
   assert _kernel_calls(text, TARGETS[platform][1]) == 3  # forward, dK/dV, dQ
 
 
-@pytest.mark.parametrize("heads,window,cache", [((28, 4), 48, 1024), ((32, 32), 32, 520)])
-def test_window_attention_lowers(platform, heads, window, cache):
+@pytest.mark.parametrize("heads,window,cache,layers", [((28, 4), 48, 1024, None), ((32, 32), 32, 520, None),
+                                                      ((32, 32), 32, 1024, 3)])
+def test_window_attention_lowers(platform, heads, window, cache, layers):
+  """layers: the model's stacked [L, B, S, K, D] cache, read at layer 2 in place."""
   num_heads, num_kv_heads = heads
   batch, head_dim, dtype = 2, 128, jnp.bfloat16
   sd = jax.ShapeDtypeStruct
+  stack = () if layers is None else (layers,)
   args = (sd((batch, window, num_heads, head_dim), dtype), sd((batch, window, num_kv_heads, head_dim), dtype),
           sd((batch, window, num_kv_heads, head_dim), dtype), sd((batch, window), jnp.int32),
-          sd((batch, window), jnp.int32), sd((batch, cache, num_kv_heads, head_dim), dtype),
-          sd((batch, cache, num_kv_heads, head_dim), dtype), sd((batch, cache), jnp.int32), sd((batch,), jnp.int32))
-  text = _lower(platform, functools.partial(window_attention.__wrapped__, impl="pallas"), *args)
+          sd((batch, window), jnp.int32), sd((*stack, batch, cache, num_kv_heads, head_dim), dtype),
+          sd((*stack, batch, cache, num_kv_heads, head_dim), dtype), sd((batch, cache), jnp.int32),
+          sd((batch,), jnp.int32))
+  layer = None if layers is None else layers - 1
+  text = _lower(platform, functools.partial(window_attention.__wrapped__, impl="pallas", layer=layer), *args)
   assert _kernel_calls(text, TARGETS[platform][1]) == 1
+  if layers is not None:  # the stack itself is the kernel's operand: no slice of it is materialized first
+    assert "stablehlo.slice" not in text and "dynamic_slice" not in text, text

@@ -4,20 +4,22 @@
 kernels in the CPU interpreters, through the same `_layer` code path that "pallas" takes on a device.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from d2f_jax.models import PAD_ID, TINY_DREAM, KVCache, ModelConfig, forward, logits_for_mode
+from d2f_jax.models import PAD_ID, TINY_DREAM, KVCache, ModelConfig, logits_for_mode
+from d2f_jax.models import forward as _forward
 from d2f_jax.models.config import PRESETS
 from model_utils import random_model, random_tokens
 
 KERNEL_IMPLS = ["interpret_gpu", "interpret_tpu"]
 
 
-def _split(impl):
-  return nnx.split(random_model(TINY_DREAM.replace(attention_impl=impl)))
+def _split(impl, layer_loop="auto"):
+  return nnx.split(random_model(TINY_DREAM.replace(attention_impl=impl, layer_loop=layer_loop)))
 
 
 def _block_causal_logits(impl, tokens, mask):
@@ -26,10 +28,13 @@ def _block_causal_logits(impl, tokens, mask):
                                     prompt_len=jnp.asarray([6, 4]), block_size=4))
 
 
-def _decode_two_windows(impl, tokens):
+def _decode_two_windows(impl, tokens, layer_loop="auto"):
   """Prompt into an empty cache (rows keep 6 and 4 of its tokens: ragged lengths), then a two-block window
   against it. Returns both windows' logits and the second window's ids."""
-  graphdef, state = _split(impl)
+  graphdef, state = _split(impl, layer_loop)
+  # Waited for: the TPU interpreter's callbacks run jnp ops of their own, and dispatching more work while
+  # they are in flight can deadlock a 2-core CPU backend (seen with the two layers' kernel calls unrolled).
+  forward = lambda *args: jax.block_until_ready(_forward(*args))
   batch = tokens.shape[0]
   cache = KVCache.init(TINY_DREAM, batch=batch, max_len=24)
   prompt = jnp.broadcast_to(jnp.arange(6), (batch, 6))
@@ -62,6 +67,26 @@ def test_cached_decoding_logits_unchanged(impl):
   np.testing.assert_allclose(first, first_ref, rtol=0, atol=1e-5)
   real = ids != PAD_ID  # a padding query's output is unspecified with the kernels (see window_attention)
   np.testing.assert_allclose(second[real], second_ref[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", *KERNEL_IMPLS])
+def test_unrolled_decode_layers_equal_the_scan(impl):
+  """A cached forward runs its layers unrolled by default (the kernel reads the stacked cache at a static
+  layer); it computes exactly what the scan over the layers computes."""
+  tokens = random_tokens(TINY_DREAM, 2, 14, seed=4)
+  first_scan, second_scan, ids = _decode_two_windows(impl, tokens, layer_loop="scan")
+  first, second, _ = _decode_two_windows(impl, tokens)
+  real = ids != PAD_ID
+  np.testing.assert_allclose(first, first_scan, rtol=0, atol=1e-6)
+  np.testing.assert_allclose(second[real], second_scan[real], rtol=0, atol=1e-6)
+  if impl != "xla":
+    return  # the interpreters run the kernels' own loops as scans: the check below is for the layers
+  graphdef, state = _split(impl)
+  cache = KVCache.init(TINY_DREAM, batch=2, max_len=24)
+  positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  run = lambda c: _forward(graphdef, state, tokens[:, :6], positions, jnp.zeros((2, 6), jnp.int32), c)
+  assert "scan" not in str(jax.make_jaxpr(run)(cache))  # the default really unrolls a cached forward ...
+  assert "scan" in str(jax.make_jaxpr(lambda: run(None))())  # ... and scans one without a cache
 
 
 def test_auto_is_the_reference_on_cpu_and_impl_is_validated():

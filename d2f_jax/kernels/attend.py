@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from d2f_jax.kernels.common import ATTENTION_IMPLS, PAD_ID, resolve_backend
 from d2f_jax.kernels.flash_attention import flash_attention
-from d2f_jax.kernels.sharded import KV, QUERY, ROWS, sharded_kernel_call
+from d2f_jax.kernels.sharded import KV, QUERY, ROWS, STACKED_KV, plan_heads, sharded_kernel_call
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
 from d2f_jax.kernels.reference import attention_reference
 from d2f_jax.sharding.layout import MeshLayout, current_layout
@@ -69,15 +69,19 @@ def attend(q, k, v, q_ids, k_ids, *, impl: str = "auto"):
 
 
 def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len=None, *,
-                  impl: str = "auto"):
+                  layer: int | None = None, impl: str = "auto"):
   """A decoding window against the KV cache plus itself. q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D];
-  cache_k, cache_v: [B, S, K, D]; cache_ids: [B, S]; cache_len: [B] (None: derived from cache_ids).
+  cache_k, cache_v: [B, S, K, D], or the stacked [L, B, S, K, D] read at the static `layer` (the kernels
+  read it in place; a slice would be copied for the call); cache_ids: [B, S]; cache_len: [B] (None: derived
+  from cache_ids).
 
   "xla" concatenates and runs the reference, exactly as the model always did. The kernels never read
   slots at or past cache_len; outputs of padding queries (id PAD_ID) are unspecified there.
   """
   layout = current_layout()
   backend, interpret, platform = resolve(impl, layout)
+  if layer is not None and (backend == "xla" or not _reads_stack_in_place(layout, q, k_win)):
+    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
   if backend == "xla":
     if cache_len is None:
       keys = jnp.concatenate([cache_k, k_win], axis=1)  # [B, S + Tw, K, D]
@@ -91,7 +95,16 @@ def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, 
 
   def kernel(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len):
     return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,
-                            impl="pallas", interpret=interpret, platform=platform)
+                            layer=layer, impl="pallas", interpret=interpret, platform=platform)
 
+  cache_kind = KV if layer is None else STACKED_KV
   return sharded_kernel_call(kernel, layout, (q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len),
-                             (QUERY, KV, KV, ROWS, ROWS, KV, KV, ROWS, ROWS))
+                             (QUERY, KV, KV, ROWS, ROWS, cache_kind, cache_kind, ROWS, ROWS))
+
+
+def _reads_stack_in_place(layout: MeshLayout | None, q, k_win) -> bool:
+  """Whether the kernel call can take the stacked cache whole: not when each head shard must gather its kv
+  heads first (kernels/sharded.py), which would copy every layer's cache rather than one."""
+  if layout is None or layout.num_devices == 1:
+    return True
+  return plan_heads(q.shape[2], k_win.shape[2], layout.head_size()).kv_split

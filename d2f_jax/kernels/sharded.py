@@ -31,6 +31,7 @@ from d2f_jax.sharding.layout import MeshLayout
 QUERY = "query"  # [B, T, H, D]: batch, -, query heads, -
 KV = "kv"  # [B, S, K, D]: batch, -, kv heads, -
 ROWS = "rows"  # [B, ...]: batch only (ids, lengths)
+STACKED_KV = "stacked_kv"  # [L, B, S, K, D]: the whole stacked cache, one layer of it read (kv_split only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,10 @@ def sharded_kernel_call(kernel: Callable, layout: MeshLayout | None, args: Seque
       return P(rows, None, heads, None)
     if kind == KV:
       return P(rows, None, kv_heads, None)
+    if kind == STACKED_KV:
+      if not split.kv_split:
+        raise ValueError("a stacked KV cache needs the kv heads split with the query heads; slice its layer out")
+      return P(None, rows, None, kv_heads, None)
     if kind == ROWS:
       return P(rows, *([None] * (ndim - 1)))
     raise ValueError(f"unknown kernel argument kind {kind!r}")

@@ -2,7 +2,9 @@
 the window's own keys, under the id rule (block-causal inside the window), with grouped-query heads.
 
 The cache is static-size [B, S, K, D] with slots [0, cache_len[b]) written. The kernels never read past
-`cache_len`, which is what makes decoding with a large, mostly empty cache cheap.
+`cache_len`, which is what makes decoding with a large, mostly empty cache cheap. The cache may also be the
+model's whole stacked cache [L, B, S, K, D] with a static `layer`: the kernels then read that layer in place,
+where slicing it first would copy the layer's cache (a Pallas call takes only whole buffers) on every call.
 
 Contract (also what the reference computes): key visible to query i iff its id <= q_ids[i], and, for a
 cache slot, slot < cache_len. Queries whose id is PAD_ID are padding: the reference lets them see every
@@ -35,7 +37,7 @@ def window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v
   return attention_reference(q, k, v, q_ids, ids, scale=scale)
 
 
-def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len):
+def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer):
   if getattr(q, "ndim", None) != 4:
     raise ValueError(f"q must have shape [B, Tw, H, D], got {list(getattr(q, 'shape', ()))}")
   batch, window, num_heads, head_dim = q.shape
@@ -47,9 +49,19 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
   check_array("v_win", v_win, (batch, window, num_kv_heads, head_dim))
   check_array("q_ids", q_ids, (batch, window), jnp.int32)
   check_array("win_ids", win_ids, (batch, window), jnp.int32)
-  check_array("cache_k", cache_k, (batch, None, num_kv_heads, head_dim))
-  cache_size = cache_k.shape[1]
-  check_array("cache_v", cache_v, (batch, cache_size, num_kv_heads, head_dim))
+  if layer is None:
+    if getattr(cache_k, "ndim", None) == 5:
+      raise ValueError(f"cache_k of shape {list(cache_k.shape)} is a stacked [L, B, S, K, D] cache: pass layer= "
+                       "to read one of its layers")
+    lead = ()
+  else:
+    if not isinstance(layer, int) or not 0 <= layer < getattr(cache_k, "shape", (0,))[0]:
+      raise ValueError(f"layer must be an int indexing cache_k's leading [L] axis, got {layer!r} for cache_k "
+                       f"of shape {list(getattr(cache_k, 'shape', ()))}")
+    lead = (cache_k.shape[0],)
+  check_array("cache_k", cache_k, (*lead, batch, None, num_kv_heads, head_dim))
+  cache_size = cache_k.shape[-3]
+  check_array("cache_v", cache_v, (*lead, batch, cache_size, num_kv_heads, head_dim))
   check_array("cache_ids", cache_ids, (batch, cache_size), jnp.int32)
   check_array("cache_len", cache_len, (batch,), jnp.int32)
   check_float("q", q, q.dtype)
@@ -57,27 +69,30 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
     check_float(name, x, q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "interpret", "block_sizes", "platform"))
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "impl", "interpret", "block_sizes", "platform"))
 def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, *,
-                     scale: float | None = None, impl: str = "auto", interpret=False,
+                     layer: int | None = None, scale: float | None = None, impl: str = "auto", interpret=False,
                      block_sizes: BlockSizes | None = None, platform: str | None = None):
   """Attention of a decoding window to the KV cache and to itself.
 
   q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D] the window's keys; q_ids, win_ids: [B, Tw] int32 (usually
-  the same array); cache_k, cache_v: [B, S, K, D]; cache_ids: [B, S] int32; cache_len: [B] int32.
+  the same array); cache_k, cache_v: [B, S, K, D], or [L, B, S, K, D] read at `layer` (a static int);
+  cache_ids: [B, S] int32; cache_len: [B] int32.
   impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu";
   platform: the device platform to dispatch for (default: the default backend's).
   Returns [B, Tw, H, D] in q's dtype.
 
   For speed choose S a multiple of block_k (the cache is otherwise padded, i.e. copied, on every call).
   """
-  _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
+  _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer)
   backend = resolve_backend(impl, interpret, platform)
+  if layer is not None and backend == "xla":
+    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
   if backend == "xla":
     return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids,
                                       cache_len, scale=scale)
   batch, window, num_heads, head_dim = q.shape
-  cache_size, num_kv_heads = cache_k.shape[1:3]
+  cache_size, num_kv_heads = cache_k.shape[-3:-1]
   group = num_heads // num_kv_heads
   if backend == "gpu" and (head_dim < 16 or head_dim & (head_dim - 1)):
     raise ValueError(f"the GPU (Triton) kernel needs head_dim a power of two >= 16, got {head_dim}")
@@ -102,13 +117,17 @@ def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_id
 
   block_k = fit_block(sizes.block_k, cache_size, backend, "k")
   padded_cache = round_up(cache_size, block_k)
-  cache_k = pad_axis(cache_k, 1, padded_cache)
-  cache_v = pad_axis(cache_v, 1, padded_cache)
+  if layer is not None and (padded_cache != cache_size or (backend == "tpu" and head_dim % 128)):
+    # The cache must be padded (S or, on TPU, D): copy this layer alone rather than the whole stack.
+    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+  cache_k = pad_axis(cache_k, cache_k.ndim - 3, padded_cache)
+  cache_v = pad_axis(cache_v, cache_v.ndim - 3, padded_cache)
   cache_ids = pad_axis(cache_ids, 1, padded_cache, PAD_ID)
   cache_len = jnp.clip(cache_len, 0, cache_size)
 
   lowering = window_attention_gpu if backend == "gpu" else window_attention_tpu
   out = lowering(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v, cache_ids, cache_len, scale=scale,
-                 block_q=block_q, block_k=block_k, interpret=interpret, precision=matmul_precision(q.dtype))
+                 block_q=block_q, block_k=block_k, interpret=interpret, precision=matmul_precision(q.dtype),
+                 layer=layer)
   out = out[:, :, :num_rows].reshape(batch, num_kv_heads, window, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, window, num_heads, head_dim)

@@ -2,7 +2,7 @@
 
 Grid (batch, kv head, row tile). A row is one (window token, query head) pair of one kv head, so the G
 query heads sharing a kv head read each K/V tile once. The cache is read in place in the model's
-[B, S, K, D] layout; the loop over cache tiles stops at the row's valid length, so a short cache costs
+[B, S, K, D] layout (or one layer of the stacked [L, B, S, K, D] cache, picked by the block index); the loop over cache tiles stops at the row's valid length, so a short cache costs
 little no matter how large it was allocated. The window's own keys are read in tiles of block_k too.
 """
 
@@ -60,13 +60,18 @@ def _window_kernel(len_ref, q_ref, q_ids_ref, kw_ref, vw_ref, w_ids_ref, kc_ref,
 
 
 def window_attention_gpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v, cache_ids, cache_len, *,
-                         scale: float, block_q: int, block_k: int, interpret=False, precision=None):
+                         scale: float, block_q: int, block_k: int, interpret=False, precision=None,
+                         layer: int | None = None):
   """rows: [B, K, M, D] (M a multiple of block_q); row_ids: [B, M]; k_win, v_win: [B, K, W, D];
-  win_ids: [B, W]; cache_k, cache_v: [B, S, K, D] (S a multiple of block_k); cache_ids: [B, S];
-  cache_len: [B] in [0, S]. Returns [B, K, M, D]."""
+  win_ids: [B, W]; cache_k, cache_v: [B, S, K, D], or [L, B, S, K, D] read at `layer` (S a multiple of
+  block_k); cache_ids: [B, S]; cache_len: [B] in [0, S]. Returns [B, K, M, D]."""
   batch, num_kv_heads, num_rows, head_dim = rows.shape
   window = k_win.shape[2]
-  cache_size = cache_k.shape[1]
+  cache_size = cache_k.shape[-3]
+  if layer is None:
+    cache_spec = pl.BlockSpec((None, cache_size, None, head_dim), lambda b, h, i: (b, 0, h, 0))
+  else:
+    cache_spec = pl.BlockSpec((None, None, cache_size, None, head_dim), lambda b, h, i: (layer, b, 0, h, 0))
   kernel = functools.partial(_window_kernel, scale=scale, block_k=block_k, precision=precision)
   in_specs = [
       pl.BlockSpec((None,), lambda b, h, i: (b,)),
@@ -75,8 +80,8 @@ def window_attention_gpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v,
       pl.BlockSpec((None, None, window, head_dim), lambda b, h, i: (b, h, 0, 0)),
       pl.BlockSpec((None, None, window, head_dim), lambda b, h, i: (b, h, 0, 0)),
       pl.BlockSpec((None, window), lambda b, h, i: (b, 0)),
-      pl.BlockSpec((None, cache_size, None, head_dim), lambda b, h, i: (b, 0, h, 0)),
-      pl.BlockSpec((None, cache_size, None, head_dim), lambda b, h, i: (b, 0, h, 0)),
+      cache_spec,
+      cache_spec,
       pl.BlockSpec((None, cache_size), lambda b, h, i: (b, 0)),
   ]
   return pl.pallas_call(

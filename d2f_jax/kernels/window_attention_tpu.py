@@ -5,7 +5,7 @@ tile j - 1. The per-row valid cache lengths are scalar-prefetched: the cache ind
 last valid tile, so tiles past the length repeat the previous block index and are never copied, and
 `pl.when` skips their compute. The cache is read in place: its [B, S, K, D] layout is viewed as
 [B, S, K * D] and a kv head is a 128-lane-aligned column block of that view (so D % 128 == 0; the
-wrapper pads D otherwise). m / l / acc live in VMEM scratch across the steps.
+wrapper pads D otherwise). A stacked [L, B, S, K, D] cache is viewed as [L, B, S, K * D] and read at `layer`. m / l / acc live in VMEM scratch across the steps.
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ def _window_kernel(len_ref, q_ref, q_ids_ref, kw_ref, vw_ref, w_ids_ref, kc_ref,
 
 
 def window_attention_tpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v, cache_ids, cache_len, *,
-                         scale: float, block_q: int, block_k: int, interpret=False, precision=None):
-  """Same contract as `window_attention_gpu`: rows [B, K, M, D] -> [B, K, M, D]; S a multiple of block_k."""
+                         scale: float, block_q: int, block_k: int, interpret=False, precision=None,
+                         layer: int | None = None):
+  """Same contract as `window_attention_gpu`: rows [B, K, M, D] -> [B, K, M, D]; S a multiple of block_k;
+  a stacked cache (`layer` given) needs D % 128 == 0 (the wrapper slices the layer out otherwise)."""
   batch, num_kv_heads, num_rows, head_dim = rows.shape
-  cache_size = cache_k.shape[1]
+  cache_size = cache_k.shape[-3]
   pad_d = -head_dim % 128
+  if pad_d and layer is not None:
+    raise ValueError(f"a stacked cache needs head_dim a multiple of 128 on TPU, got {head_dim}")
   if pad_d:  # a kv head must be a lane-aligned column block of the cache view (a copy; D=128 models skip it)
     widen = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad_d)])
     rows, k_win, v_win, cache_k, cache_v = map(widen, (rows, k_win, v_win, cache_k, cache_v))
@@ -79,14 +83,20 @@ def window_attention_tpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v,
     last = jnp.maximum(pl.cdiv(length, block_k) - 1, 0)
     return jnp.minimum(jnp.maximum(step - 1, 0), last)
 
+  lead = cache_k.shape[:-3]  # (B,) or (L, B)
+  if layer is None:
+    cache_spec = pl.BlockSpec((None, block_k, dp), lambda b, h, i, j, lens: (b, cache_tile(j, lens[b]), h))
+  else:
+    cache_spec = pl.BlockSpec((None, None, block_k, dp),
+                              lambda b, h, i, j, lens: (layer, b, cache_tile(j, lens[b]), h))
   in_specs = [
       pl.BlockSpec((None, None, block_q, dp), lambda b, h, i, j, lens: (b, h, i, 0)),
       pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, lens: (b, i, 0)),
       pl.BlockSpec((None, None, window, dp), lambda b, h, i, j, lens: (b, h, 0, 0)),
       pl.BlockSpec((None, None, window, dp), lambda b, h, i, j, lens: (b, h, 0, 0)),
       pl.BlockSpec((None, 1, window), lambda b, h, i, j, lens: (b, 0, 0)),
-      pl.BlockSpec((None, block_k, dp), lambda b, h, i, j, lens: (b, cache_tile(j, lens[b]), h)),
-      pl.BlockSpec((None, block_k, dp), lambda b, h, i, j, lens: (b, cache_tile(j, lens[b]), h)),
+      cache_spec,
+      cache_spec,
       pl.BlockSpec((None, 1, block_k), lambda b, h, i, j, lens: (b, 0, cache_tile(j, lens[b]))),
   ]
   kernel = functools.partial(_window_kernel, scale=scale, block_k=block_k, num_steps=num_steps,
@@ -107,6 +117,6 @@ def window_attention_tpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v,
       interpret=interpret_arg(interpret),
       name="d2f_window_attention",
   )(cache_len, rows, row_ids[:, :, None], k_win, v_win, win_ids[:, None, :],
-    cache_k.reshape(batch, cache_size, num_kv_heads * dp), cache_v.reshape(batch, cache_size, num_kv_heads * dp),
+    cache_k.reshape(*lead, cache_size, num_kv_heads * dp), cache_v.reshape(*lead, cache_size, num_kv_heads * dp),
     cache_ids[:, None, :])
   return out[..., :head_dim] if pad_d else out

@@ -18,6 +18,12 @@ Family = Literal["llada", "dream", "custom"]
 ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
 # GPU/TPU and the reference on CPU, "pallas" = kernels always, "interpret_*" = kernels in a CPU interpreter.
+# How the layers run (models/transformer.py): "scan" = one lax.scan over the stacked weights (compile time flat
+# in depth); "unroll" = a Python loop with static per-layer slices; "auto" = unroll when decoding against a KV
+# cache, scan otherwise. Inside a scan each layer's weights and cache are dynamic slices, which the GPU
+# compiler copies out before the matmuls and the attention kernel (3x the weight traffic of a
+# memory-bound decode step); static slices fuse into the matmuls and the kernel reads the stacked cache.
+LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,7 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of the weights
   attention_impl: str = "auto"  # one of ATTENTION_IMPLS; "auto": Pallas on GPU/TPU, the reference on CPU
   remat: bool = False  # rematerialise layer activations in the backward pass (long rows, big models)
+  layer_loop: str = "auto"  # one of LAYER_LOOPS: "auto" unrolls the layers of cached decode steps only
   # Positions the model was trained for (config.json's max_sequence_length / max_position_embeddings):
   # decoding refuses rows that would run past them. None: unchecked.
   max_positions: int | None = None
@@ -76,6 +83,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not a dtype name") from e
     if self.attention_kind is not None and self.attention_kind not in ATTENTION_KINDS:
       raise ValueError(f"ModelConfig.attention_kind must be one of {ATTENTION_KINDS} or None, got {self.attention_kind!r}")
+    if self.layer_loop not in LAYER_LOOPS:
+      raise ValueError(f"ModelConfig.layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
 
@@ -91,6 +100,10 @@ class ModelConfig:
   def group_size(self) -> int:
     """Query heads per KV head (GQA)."""
     return self.num_heads // self.num_kv_heads
+
+  def unrolls_layers(self, cached: bool) -> bool:
+    """Whether a forward (`cached`: against a KV cache) runs its layers as a Python loop, not a scan."""
+    return self.layer_loop == "unroll" or (self.layer_loop == "auto" and cached)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

@@ -1,7 +1,9 @@
 """One pre-norm transformer family for LLaDA, Dream (Qwen2 layout) and the causal AR baseline.
 
-Layer weights are stacked on a leading `layers` axis and applied with `lax.scan`: compile time does not
-grow with depth, and the KV cache scans along with them. Every parameter carries logical axis names
+Layer weights are stacked on a leading `layers` axis. Training and prefill-free forwards apply them with
+`lax.scan` (compile time flat in depth); a forward against a KV cache (a decode step, memory-bound) runs
+them as a Python loop of static slices by default (`ModelConfig.layer_loop`), because a scan's dynamic
+slices are copied out of the stacks on GPU before every matmul and kernel call. Every parameter carries logical axis names
 (embed, heads, kv_heads, head_dim, mlp, vocab, layers, lora_rank) for sharding rules.
 """
 
@@ -105,8 +107,9 @@ def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, d
 
 
 def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, cache_len,
-           dropout_key):
-  """One pre-norm block. x: [B, T, E]. Returns (x, (k, v)) with this window's k, v: [B, T, K, D]."""
+           dropout_key, layer: int | None = None):
+  """One pre-norm block. x: [B, T, E]. Returns (x, (k, v)) with this window's k, v: [B, T, K, D].
+  cache_kv: this layer's (k, v) [B, S, K, D], or with `layer` the stacked [L, B, S, K, D] to read it from."""
   dtype = config.compute_dtype
   keys = [None] * 7 if dropout_key is None else list(jax.random.split(dropout_key, 7))
   h = L.rms_norm(x, w["attn_norm"], config.norm_eps)
@@ -120,10 +123,12 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
   if cache_kv is None:
     attn = kernels.attend(q, k, v, q_ids, kv_ids, impl=config.attention_impl)  # [B, T, H, D]
   else:
-    cache_k, cache_v = cache_kv  # [B, S, K, D]; kv_ids = [cache ids | window ids]
-    size = cache_k.shape[1]
+    cache_k, cache_v = cache_kv  # [B, S, K, D] or [L, B, S, K, D]; kv_ids = [cache ids | window ids]
+    if layer is not None and cache_k.dtype != dtype:  # converting the whole stack per layer would copy it all
+      cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+    size = cache_k.shape[-3]
     attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k.astype(dtype), cache_v.astype(dtype),
-                                 kv_ids[:, :size], cache_len, impl=config.attention_impl)
+                                 kv_ids[:, :size], cache_len, layer=layer, impl=config.attention_impl)
   x = x + _project("o", attn, w, lora, dtype, keys[3])
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
@@ -169,7 +174,20 @@ class Transformer(nnx.Module):
       step = jax.checkpoint(step)
 
     cache_kv = None if cache is None else (cache.k, cache.v)
-    x, (k, v) = jax.lax.scan(step, x, (weights, cache_kv, layer_keys))
+    if not c.unrolls_layers(cached=cache is not None):
+      x, (k, v) = jax.lax.scan(step, x, (weights, cache_kv, layer_keys))
+      return L.rms_norm(x, self.final_norm[...], c.norm_eps), (k, v)
+    window_kv = []
+    for i in range(c.num_layers):  # static slices: fused into the matmuls, and the kernel reads cache layer i
+      layer = functools.partial(body, cache_kv=cache_kv, layer=None if cache is None else i,
+                                dropout_key=None if layer_keys is None else layer_keys[i])
+      if c.remat:
+        layer = jax.checkpoint(layer)
+      x, kv = layer(x, {name: value[i] for name, value in weights.items()})
+      x = constrain_batch(x)
+      window_kv.append(kv)
+    k = jnp.stack([kv[0] for kv in window_kv])  # [L, B, T, K, D]
+    v = jnp.stack([kv[1] for kv in window_kv])
     return L.rms_norm(x, self.final_norm[...], c.norm_eps), (k, v)
 
   def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
