@@ -39,8 +39,16 @@ def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
   assert 1.0 <= got["flops"] / formula["flops"] <= 1.5, (got, formula)
   weights = 2 * (3 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 1024) + 256 * 2048)
   assert got["bytes"] >= weights
+  # The in-place cache write is counted as the whole cache read and written (k and v, 3 layers, 64 slots) ...
+  cache_bytes = 2 * 3 * 1 * 64 * 2 * 64 * 2
+  assert got["write"]["bytes"] >= 2 * cache_bytes, got["write"]
+  # ... and replaced by the formula's rows: 16 window tokens' k and v, read and written.
+  write = cm.write_cost(SMALL, shape, {"data": 1, "tensor": 1})
+  assert write == {"flops": 0.0, "bytes": 2 * 2 * 2 * 3 * 1 * 16 * 2 * 64}
   accounted = cm.accounted_cost(got, SMALL, shape, {"data": 1, "tensor": 1})
-  assert accounted == {"flops": got["flops"], "bytes": got["bytes"], "source": "compiled"}
+  assert accounted["source"] == "compiled + cache-write formula"
+  assert accounted["bytes"] == pytest.approx(got["bytes"] - got["write"]["bytes"] + write["bytes"])
+  assert accounted["flops"] == pytest.approx(got["flops"] - got["write"]["flops"])
 
 
 def test_an_opaque_kernel_is_replaced_by_the_attention_formula():

@@ -105,8 +105,11 @@ def plan(args) -> list[tuple[str, int, dict]]:
 
 
 def cache_key(target: str, model: str, fields: dict) -> str:
+  """One program's key: the jax version and the cost version (cost_compile.COST_VERSION) make entries of
+  other programs or accounting stale, never reused."""
   import jax
-  return "|".join([jax.__version__, target, model] + [f"{k}={v}" for k, v in sorted(fields.items())])
+  from d2f_jax.bench.cost_compile import COST_VERSION
+  return "|".join([jax.__version__, f"v{COST_VERSION}", target, model] + [f"{k}={v}" for k, v in sorted(fields.items())])
 
 
 def load_json(path: str) -> dict:
@@ -130,6 +133,11 @@ def compile_target(target, programs, cache_path: str, log=print) -> dict:
   topo.configure_jax(target.platform)
   devices = topo.devices(target)
   cache, out = load_json(cache_path), {}
+  current = cache_key(target.name, "", {}).split("|")[:2]  # jax version, cost version
+  stale = [k for k in cache if k.split("|")[:2] != current]
+  if stale:
+    log(f"{cache_path}: {len(stale)} cached costs from another jax or cost version are stale; dropped")
+    cache = {k: v for k, v in cache.items() if k not in stale}
   for model, length, fields in programs:
     key = cache_key(target.name, model, fields)
     if key not in cache:

@@ -5,9 +5,14 @@ Three things stand between `compiled.cost_analysis()` and a cost per forward, ea
   `lax.scan`. So each program is compiled at 1 and 2 layers with every scan unrolled (`unrolled_scans`) and
   extrapolated: cost(L) = c1 + (L - 1) (c2 - c1), exact because every layer is the same scanned body.
 - Opaque kernels: a Pallas call is a custom call (Mosaic `tpu_custom_call`, Triton `__gpu$xla.gpu.triton`) whose
-  FLOPs the compiler reports as ~0 and whose bytes it guesses from the operands (the whole cache buffer, though
-  the kernel stops at cache_len). Each layer's kernel call is therefore also compiled alone, with the same
-  shapes and shardings, and subtracted; the attention formula (cost_model.attention_cost) is added instead.
+  FLOPs the compiler reports as ~0 and whose bytes it guesses from the operands (the whole stacked cache
+  buffer, though the kernel reads one layer up to cache_len). Each layer's kernel call is therefore also
+  compiled alone, with the same shapes (the cache stacked over the same 1 or 2 layers) and shardings,
+  extrapolated like the program and subtracted; the attention formula (cost_model.attention_cost) is added.
+- In-place cache writes: the forward's KV cache write is a scatter of the window's rows into the donated
+  stacked cache, done in place, but the cost analysis counts the whole cache read and written (1 GB per
+  LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 1 and 2
+  layers, and subtracted; the formula's bytes (the rows written) are added (cost_model.write_cost).
 - NVIDIA targets: the deviceless compile has no cost analysis ("GetCostAnalysis is not supported"), so XLA's
   HloCostAnalysis is run on the compiled (optimized, fused) HLO module it does return.
 All numbers are per device (the SPMD-partitioned module) for the target's decode mesh.
@@ -27,6 +32,10 @@ from d2f_jax import kernels
 from d2f_jax.decode.step_programs import StepShape, step_program
 from d2f_jax.kernels.sharded import plan_heads
 from d2f_jax.sharding import mesh_layout
+
+# Bumped whenever the compiled programs or this accounting change: cached costs of another version are stale.
+# 2: cached forwards unroll their layers and the window kernel reads the stacked cache; 3: cache writes apart.
+COST_VERSION = 3
 
 # Custom-call targets of Pallas kernels, whose cost the compiler cannot see.
 OPAQUE_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
@@ -85,8 +94,9 @@ def program_cost(config, shape: StepShape, mesh, layers: int) -> dict:
   return {**cost_of(compiled), "opaque": opaque_calls(compiled), "compile_s": round(seconds, 2)}
 
 
-def _kernel_args(config, shape: StepShape, mesh) -> tuple[tuple, tuple]:
-  """Abstract arguments of one layer's attention call of `shape`, sharded as the model's own call is."""
+def _kernel_args(config, shape: StepShape, mesh, layers: int) -> tuple[tuple, tuple]:
+  """Abstract arguments of one layer's attention call of `shape`, sharded as the model's own call is (the
+  cache stacked over `layers` layers, as a cached forward of that depth passes it)."""
   from d2f_jax.decode.mesh import as_decode_mesh
   layout = as_decode_mesh(mesh).layout
   rows = as_decode_mesh(mesh).padded_batch(shape.batch)
@@ -105,35 +115,74 @@ def _kernel_args(config, shape: StepShape, mesh) -> tuple[tuple, tuple]:
   if shape.kind == "full_step":
     return (q, kv, kv, ids, ids), layout
   size = shape.prompt + shape.new_tokens
-  cache = arg((rows, size, k, d), P(batch, None, kv_heads, None))
+  cache = arg((layers, rows, size, k, d), P(None, batch, None, kv_heads, None))
   return (q, kv, kv, ids, ids, cache, cache, arg((rows, size), P(batch, None), jnp.int32),
           arg((rows,), P(batch), jnp.int32)), layout
 
 
-def kernel_cost(config, shape: StepShape, mesh) -> dict:
-  """What the compiler counts for one layer's attention call alone (the kernel plus its reshapes)."""
-  args, layout = _kernel_args(config, shape, mesh)
+def kernel_cost(config, shape: StepShape, mesh, layers: int = 1) -> dict:
+  """What the compiler counts for one layer's attention call alone (the kernel plus its reshapes) in a
+  forward of `layers` layers."""
+  args, layout = _kernel_args(config, shape, mesh, layers)
   impl = config.attention_impl
 
   def one_layer(*a):
     with mesh_layout(layout):
       if shape.kind == "full_step":
         return kernels.attend(*a, impl=impl)
-      return kernels.attend_window(*a, impl=impl)
+      return kernels.attend_window(*a, layer=0, impl=impl)
   compiled, seconds = _compile(lambda: jax.jit(one_layer).lower(*args))
   return {**cost_of(compiled), "opaque": opaque_calls(compiled), "compile_s": round(seconds, 2)}
 
 
+def write_cost(config, shape: StepShape, mesh, layers: int) -> dict:
+  """What the compiler counts for a cached forward's KV cache write alone (the window's K/V scattered into the
+  donated cache of `layers` layers, sharded as the loop state is)."""
+  from d2f_jax.decode.mesh import as_decode_mesh
+  from d2f_jax.models import KVCache
+  placement = as_decode_mesh(mesh)
+  layout, rows = placement.layout, placement.padded_batch(shape.batch)
+  c = config.replace(num_layers=layers)
+  size, n = shape.prompt + shape.new_tokens, shape.tokens
+
+  def write(cache, k, v, ids, count):
+    with mesh_layout(layout):
+      return cache.constrain(layout).write(k, v, ids, count).constrain(layout)
+  batch = layout.batch_split(rows) or None
+  heads = layout.head_axis if layout.num_devices > 1 and c.num_kv_heads % layout.head_size() == 0 else None
+
+  def arg(dims, spec, dtype):
+    return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, spec))
+  kv_spec = P(None, batch, None, heads, None)  # [L, B, S or T, K, D], as KVCache.constrain pins it
+  stacked = lambda length: arg((layers, rows, length, c.num_kv_heads, c.head_dim), kv_spec, jnp.dtype(c.dtype))
+  cache = KVCache(k=stacked(size), v=stacked(size), ids=arg((rows, size), P(batch, None), jnp.int32),
+                  length=arg((rows,), P(batch), jnp.int32))
+  args = (cache, stacked(n), stacked(n), arg((rows, n), P(batch, None), jnp.int32), arg((rows,), P(batch), jnp.int32))
+  compiled, seconds = _compile(lambda: jax.jit(write, donate_argnums=0).lower(*args))
+  return {**cost_of(compiled), "compile_s": round(seconds, 2)}
+
+
 def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
   """Per-device compiled cost of one forward of the full-depth model: 'flops' / 'bytes' as the compiler counts
-  them at 1 and 2 layers, extrapolated to config.num_layers, and 'kernel' (per layer, counted by the compiler
-  for the attention call alone; to be replaced by the formula where 'opaque' lists custom calls)."""
+  them at 1 and 2 layers, extrapolated to config.num_layers, and 'kernel' (per layer: the attention calls'
+  count, compiled alone and extrapolated the same way, over num_layers; to be replaced by the formula where
+  'opaque' lists custom calls) and 'write' (the cache write's count at full depth, to be replaced likewise)."""
   one, two = program_cost(config, shape, mesh, 1), program_cost(config, shape, mesh, 2)
-  extra = config.num_layers - 1
+  layers, extra = config.num_layers, config.num_layers - 1
   out = {k: one[k] + extra * (two[k] - one[k]) for k in ("flops", "bytes")}
   out.update(opaque=two["opaque"], compile_s=round(one["compile_s"] + two["compile_s"], 2),
              layer={k: two[k] - one[k] for k in ("flops", "bytes")})
-  out["kernel"] = kernel_cost(config, shape, mesh) if out["opaque"] else {"flops": 0.0, "bytes": 0.0, "opaque": []}
+  if out["opaque"]:
+    k1, k2 = kernel_cost(config, shape, mesh, 1), kernel_cost(config, shape, mesh, 2)
+    # Each call's count grows with the stack it is handed: total(L) = k1 + (L - 1) (2 k2 - k1), exact as the
+    # program's is, since the calls are the same per layer but for the stack's depth.
+    out["kernel"] = {k: (k1[k] + extra * (2 * k2[k] - k1[k])) / layers for k in ("flops", "bytes")}
+    out["kernel"].update(opaque=k2["opaque"], compile_s=round(k1["compile_s"] + k2["compile_s"], 2))
+  else:
+    out["kernel"] = {"flops": 0.0, "bytes": 0.0, "opaque": []}
+  if shape.kind != "full_step":  # every other forward writes the window's K/V into the cache
+    w1, w2 = write_cost(config, shape, mesh, 1), write_cost(config, shape, mesh, 2)
+    out["write"] = {k: w1[k] + extra * (w2[k] - w1[k]) for k in ("flops", "bytes")}
   log(f"  {shape.kind} width {shape.width} batch {shape.batch}: compiled in {out['compile_s']:.1f}s"
       f"{' (+ kernel alone ' + str(out['kernel']['compile_s']) + 's)' if out['opaque'] else ''}")
   return out

@@ -52,18 +52,32 @@ def formula_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]
   return {"flops": b * flops / tensor, "bytes": (weights + b * (nbytes - weights)) / tensor}
 
 
+def write_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
+  """The formula's bytes of a cached forward's KV cache write, per device: the window's K and V read and
+  written into their slots, L x b x n x K_stored x D each (kv heads stay replicated where tensor does not
+  divide them, as KVCache.constrain keeps them)."""
+  tensor = mesh_shape.get("tensor", 1)
+  kv = config.num_kv_heads // tensor if config.num_kv_heads % tensor == 0 else config.num_kv_heads
+  b = rows_per_device(shape.batch, mesh_shape.get("data", 1))
+  return {"flops": 0.0, "bytes": float(BYTES * 2 * 2 * config.num_layers * b * shape.tokens * kv * config.head_dim)}
+
+
 def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -> dict:
-  """The compiled cost with opaque attention kernels replaced by the formula: compiler's count for the rest
-  (the program less L x the kernel call compiled alone) + attention_cost. Without opaque calls (XLA
-  attention, e.g. on a CPU) the compiler's count stands as it is."""
-  if not compiled["opaque"]:
-    return {"flops": compiled["flops"], "bytes": compiled["bytes"], "source": "compiled"}
-  attn = attention_cost(config, shape, mesh_shape)
-  out = {"source": "compiled + attention formula"}
+  """The compiled cost with what the compiler cannot count replaced by formulas: opaque attention kernels
+  (the program less L x the kernel call compiled alone, + attention_cost) and the in-place cache write (less
+  the write compiled alone, + write_cost). Without either (XLA attention, no cache) the count stands."""
+  parts = []
+  if compiled["opaque"]:
+    parts.append(("attention formula", {k: config.num_layers * compiled["kernel"][k] for k in ("flops", "bytes")},
+                  attention_cost(config, shape, mesh_shape)))
+  if compiled.get("write"):
+    parts.append(("cache-write formula", compiled["write"], write_cost(config, shape, mesh_shape)))
+  out = {"source": " + ".join(["compiled"] + [name for name, _, _ in parts])}
   for key in ("flops", "bytes"):
-    rest = compiled[key] - config.num_layers * compiled["kernel"][key]
-    out[f"rest_{key}"] = rest
-    out[key] = max(rest, 0.0) + attn[key]
+    rest = compiled[key] - sum(counted[key] for _, counted, _ in parts)
+    if parts:
+      out[f"rest_{key}"] = rest
+    out[key] = max(rest, 0.0) + sum(formula[key] for _, _, formula in parts)
   return out
 
 

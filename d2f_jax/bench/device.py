@@ -101,9 +101,9 @@ def cm_ints(text: str) -> list[int]:
 def projected(target, sheet, model: str, config, shape, mesh_shape: dict, cost_dirs: list[str]) -> dict:
   """Projected ms of `shape` on this target: compiled (when a cost cache holds it) and formula."""
   import dataclasses
-  from d2f_jax.bench.cost import load_json
-  fields = dataclasses.asdict(shape)
-  key_tail = "|".join([str(target), model] + [f"{k}={v}" for k, v in sorted(fields.items())])
+  from d2f_jax.bench.cost import cache_key, load_json
+  # Any jax version's compile will do (the device may run another), but only this cost version's.
+  key_tail = cache_key(str(target), model, dataclasses.asdict(shape)).split("|", 1)[1]
   entry = None
   for folder in cost_dirs:
     cache = load_json(os.path.join(folder, f"{target}.json")) if target else {}
