@@ -30,22 +30,26 @@ def _mesh():
 
 
 def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
+  deep = SMALL.replace(num_layers=4)  # one layer past the fitted depths (2, 3): the line is checked, not met
   shape = StepShape("d2f_step", batch=1, prompt=32, new_tokens=32, block_size=8, width=2)
-  got = cost_compile.forward_cost(SMALL, shape, _mesh(), log=lambda _: None)
-  direct = cost_compile.program_cost(SMALL, shape, _mesh(), SMALL.num_layers)  # 3 layers, unrolled
+  got = cost_compile.forward_cost(deep, shape, _mesh(), log=lambda _: None)
+  direct = cost_compile.program_cost(deep, shape, _mesh(), deep.num_layers)  # 4 layers, unrolled
   assert got["flops"] == pytest.approx(direct["flops"], rel=0.03), (got, direct)
+  # Bytes within 8%: the CPU compile (most optimisations off in the suite) counted 5.5% more at 4 layers than
+  # the line through 2 and 3 (the H100 compile is linear from 2 layers on, see cost_compile).
+  assert got["bytes"] == pytest.approx(direct["bytes"], rel=0.08), (got, direct)
   assert got["opaque"] == [] and got["kernel"]["flops"] == 0  # XLA attention: nothing hidden from the compiler
-  formula = cm.formula_cost(SMALL, shape, {"data": 1, "tensor": 1})
+  formula = cm.formula_cost(deep, shape, {"data": 1, "tensor": 1})
   assert 1.0 <= got["flops"] / formula["flops"] <= 1.5, (got, formula)
-  weights = 2 * (3 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 1024) + 256 * 2048)
+  weights = 2 * (4 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 1024) + 256 * 2048)
   assert got["bytes"] >= weights
-  # The in-place cache write is counted as the whole cache read and written (k and v, 3 layers, 64 slots) ...
-  cache_bytes = 2 * 3 * 1 * 64 * 2 * 64 * 2
+  # The in-place cache write is counted as the whole cache read and written (k and v, 4 layers, 64 slots) ...
+  cache_bytes = 2 * 4 * 1 * 64 * 2 * 64 * 2
   assert got["write"]["bytes"] >= 2 * cache_bytes, got["write"]
   # ... and replaced by the formula's rows: 16 window tokens' k and v, read and written.
-  write = cm.write_cost(SMALL, shape, {"data": 1, "tensor": 1})
-  assert write == {"flops": 0.0, "bytes": 2 * 2 * 2 * 3 * 1 * 16 * 2 * 64}
-  accounted = cm.accounted_cost(got, SMALL, shape, {"data": 1, "tensor": 1})
+  write = cm.write_cost(deep, shape, {"data": 1, "tensor": 1})
+  assert write == {"flops": 0.0, "bytes": 2 * 2 * 2 * 4 * 1 * 16 * 2 * 64}
+  accounted = cm.accounted_cost(got, deep, shape, {"data": 1, "tensor": 1})
   assert accounted["source"] == "compiled + cache-write formula"
   assert accounted["bytes"] == pytest.approx(got["bytes"] - got["write"]["bytes"] + write["bytes"])
   assert accounted["flops"] == pytest.approx(got["flops"] - got["write"]["flops"])

@@ -68,3 +68,16 @@ def test_the_budget_stops_starting_programs(tmp_path, monkeypatch):
                       "--budget_s", "0", "--workdir", str(tmp_path), "--out", str(out)]) == 0
   report = json.loads(out.read_text())
   assert report["rows"] == [] and len(report["skipped"]) == 4 and report["target"] == "v5e-1"
+
+
+def test_packaged_compiled_costs_are_of_this_cost_version():
+  """`bench device` prints the packaged compiled costs beside its measurements: a package whose programs or
+  accounting changed since (a stale COST_VERSION) would print numbers no longer true of the code."""
+  import pathlib
+  from d2f_jax.bench import cost_compile
+  folder = pathlib.Path(device.__file__).parent / "compiled_costs"
+  files = sorted(folder.glob("*.json"))
+  assert files, folder
+  for path in files:
+    keys = json.loads(path.read_text())
+    assert keys and all(k.split("|")[1] == f"v{cost_compile.COST_VERSION}" for k in keys), path

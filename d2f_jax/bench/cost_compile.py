@@ -1,17 +1,19 @@
 """FLOPs and bytes of one decode forward, from the target compiler's own cost analysis of the compiled program.
 
 Three things stand between `compiled.cost_analysis()` and a cost per forward, each handled here:
-- Loops: XLA's cost analysis counts a while-loop body once, whatever its trip count, and the layers are a
-  `lax.scan`. So each program is compiled at 1 and 2 layers with every scan unrolled (`unrolled_scans`) and
-  extrapolated: cost(L) = c1 + (L - 1) (c2 - c1), exact because every layer is the same scanned body.
+- Depth: compiling 32 layers is slow, and XLA's cost analysis counts a while-loop body once, whatever its trip
+  count. So each program is compiled at 2 and 3 layers with every scan unrolled (`unrolled_scans`) and
+  extrapolated: cost(L) = c2 + (L - 2) (c3 - c2). Not from 1 layer: the compiler treats a one-layer model
+  differently (H100, LLaDA AR step at batch 1: +1.04 GB from layer 1 to 2, then +0.74 GB for each of
+  layers 3, 4 and 5), while from 2 layers on every layer adds the same.
 - Opaque kernels: a Pallas call is a custom call (Mosaic `tpu_custom_call`, Triton `__gpu$xla.gpu.triton`) whose
   FLOPs the compiler reports as ~0 and whose bytes it guesses from the operands (the whole stacked cache
   buffer, though the kernel reads one layer up to cache_len). Each layer's kernel call is therefore also
-  compiled alone, with the same shapes (the cache stacked over the same 1 or 2 layers) and shardings,
+  compiled alone, with the same shapes (the cache stacked over the same 2 or 3 layers) and shardings,
   extrapolated like the program and subtracted; the attention formula (cost_model.attention_cost) is added.
 - In-place cache writes: the forward's KV cache write is a scatter of the window's rows into the donated
   stacked cache, done in place, but the cost analysis counts the whole cache read and written (1 GB per
-  LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 1 and 2
+  LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 2 and 3
   layers, and subtracted; the formula's bytes (the rows written) are added (cost_model.write_cost).
 - NVIDIA targets: the deviceless compile has no cost analysis ("GetCostAnalysis is not supported"), so XLA's
   HloCostAnalysis is run on the compiled (optimized, fused) HLO module it does return.
@@ -34,8 +36,10 @@ from d2f_jax.kernels.sharded import plan_heads
 from d2f_jax.sharding import mesh_layout
 
 # Bumped whenever the compiled programs or this accounting change: cached costs of another version are stale.
-# 2: cached forwards unroll their layers and the window kernel reads the stacked cache; 3: cache writes apart.
-COST_VERSION = 3
+# 2: cached forwards unroll their layers and the window kernel reads the stacked cache; 3: cache writes apart;
+# 4: extrapolated from 2 and 3 layers.
+COST_VERSION = 4
+FIT_LAYERS = (2, 3)  # the depths compiled; cost(L) is the line through them
 
 # Custom-call targets of Pallas kernels, whose cost the compiler cannot see.
 OPAQUE_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu")
@@ -164,25 +168,31 @@ def write_cost(config, shape: StepShape, mesh, layers: int) -> dict:
 
 def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
   """Per-device compiled cost of one forward of the full-depth model: 'flops' / 'bytes' as the compiler counts
-  them at 1 and 2 layers, extrapolated to config.num_layers, and 'kernel' (per layer: the attention calls'
+  them at FIT_LAYERS layers, extrapolated to config.num_layers, and 'kernel' (per layer: the attention calls'
   count, compiled alone and extrapolated the same way, over num_layers; to be replaced by the formula where
   'opaque' lists custom calls) and 'write' (the cache write's count at full depth, to be replaced likewise)."""
-  one, two = program_cost(config, shape, mesh, 1), program_cost(config, shape, mesh, 2)
-  layers, extra = config.num_layers, config.num_layers - 1
-  out = {k: one[k] + extra * (two[k] - one[k]) for k in ("flops", "bytes")}
-  out.update(opaque=two["opaque"], compile_s=round(one["compile_s"] + two["compile_s"], 2),
-             layer={k: two[k] - one[k] for k in ("flops", "bytes")})
+  lo, hi = FIT_LAYERS
+  layers = config.num_layers
+  if layers < lo:
+    raise ValueError(f"forward_cost: {layers} layers is below the fitted depths {FIT_LAYERS}; compile it directly")
+
+  def line(at_lo: dict, at_hi: dict) -> dict:
+    """The count at `layers` on the line through the counts at lo and hi layers."""
+    return {k: at_lo[k] + (layers - lo) * (at_hi[k] - at_lo[k]) / (hi - lo) for k in ("flops", "bytes")}
+  first, second = program_cost(config, shape, mesh, lo), program_cost(config, shape, mesh, hi)
+  out = line(first, second)
+  out.update(opaque=second["opaque"], compile_s=round(first["compile_s"] + second["compile_s"], 2),
+             layer={k: (second[k] - first[k]) / (hi - lo) for k in ("flops", "bytes")})
   if out["opaque"]:
-    k1, k2 = kernel_cost(config, shape, mesh, 1), kernel_cost(config, shape, mesh, 2)
-    # Each call's count grows with the stack it is handed: total(L) = k1 + (L - 1) (2 k2 - k1), exact as the
-    # program's is, since the calls are the same per layer but for the stack's depth.
-    out["kernel"] = {k: (k1[k] + extra * (2 * k2[k] - k1[k])) / layers for k in ("flops", "bytes")}
-    out["kernel"].update(opaque=k2["opaque"], compile_s=round(k1["compile_s"] + k2["compile_s"], 2))
+    k_lo, k_hi = kernel_cost(config, shape, mesh, lo), kernel_cost(config, shape, mesh, hi)
+    # Each call's count grows with the stack it is handed, so the line runs through the calls' totals.
+    total = line({k: lo * k_lo[k] for k in ("flops", "bytes")}, {k: hi * k_hi[k] for k in ("flops", "bytes")})
+    out["kernel"] = {k: total[k] / layers for k in ("flops", "bytes")}
+    out["kernel"].update(opaque=k_hi["opaque"], compile_s=round(k_lo["compile_s"] + k_hi["compile_s"], 2))
   else:
     out["kernel"] = {"flops": 0.0, "bytes": 0.0, "opaque": []}
   if shape.kind != "full_step":  # every other forward writes the window's K/V into the cache
-    w1, w2 = write_cost(config, shape, mesh, 1), write_cost(config, shape, mesh, 2)
-    out["write"] = {k: w1[k] + extra * (w2[k] - w1[k]) for k in ("flops", "bytes")}
+    out["write"] = line(write_cost(config, shape, mesh, lo), write_cost(config, shape, mesh, hi))
   log(f"  {shape.kind} width {shape.width} batch {shape.batch}: compiled in {out['compile_s']:.1f}s"
       f"{' (+ kernel alone ' + str(out['kernel']['compile_s']) + 's)' if out['opaque'] else ''}")
   return out
