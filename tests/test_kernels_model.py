@@ -89,6 +89,37 @@ def test_unrolled_decode_layers_equal_the_scan(impl):
   assert "scan" in str(jax.make_jaxpr(lambda: run(None))())  # ... and scans one without a cache
 
 
+def _converted_shapes(jaxpr):
+  """Output shapes of every convert_element_type in a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "convert_element_type":
+      yield tuple(eqn.outvars[0].aval.shape)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _converted_shapes(inner)
+
+
+def test_a_cache_in_another_dtype_is_converted_one_layer_at_a_time():
+  """A bf16 cache under an fp32 model: the unrolled forward converts each layer's slice, never the stack (a
+  copy of every layer per layer), and computes what the scan over per-layer slices computes."""
+  tokens = random_tokens(TINY_DREAM, 2, 6, seed=6)
+  positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  ids = jnp.zeros((2, 6), jnp.int32)
+  cache = KVCache.init(TINY_DREAM, batch=2, max_len=24, dtype=jnp.bfloat16)
+  cache = cache.replace(k=cache.k + 0.5, v=cache.v - 0.25, ids=cache.ids.at[:, :4].set(0),
+                        length=jnp.full((2,), 4, jnp.int32))
+  logits = {}
+  for loop in ("scan", "auto"):
+    graphdef, state = _split("interpret_gpu", loop)  # the kernel path: XLA attention always slices
+    logits[loop], _ = _forward(graphdef, state, tokens, positions, ids, cache)
+  np.testing.assert_allclose(np.asarray(logits["auto"]), np.asarray(logits["scan"]), rtol=0, atol=1e-6)
+  graphdef, state = _split("interpret_gpu")
+  jaxpr = jax.make_jaxpr(lambda c: _forward(graphdef, state, tokens, positions, ids, c))(cache)
+  converted = list(_converted_shapes(jaxpr.jaxpr))
+  assert tuple(cache.k.shape[1:]) in converted and tuple(cache.k.shape) not in converted, converted
+
+
 def test_auto_is_the_reference_on_cpu_and_impl_is_validated():
   tokens = random_tokens(TINY_DREAM, 2, 9, seed=5)
   mask = jnp.ones_like(tokens)

@@ -80,8 +80,11 @@ def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, 
   """
   layout = current_layout()
   backend, interpret, platform = resolve(impl, layout)
-  if layer is not None and (backend == "xla" or not _reads_stack_in_place(layout, q, k_win)):
-    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+  if layer is not None and (backend == "xla" or cache_k.dtype != q.dtype
+                            or not _reads_stack_in_place(layout, q, k_win)):
+    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None  # converting the stack would copy it all
+  if cache_k.dtype != q.dtype:  # a cache kept in another dtype (a copy; keep it in the compute dtype)
+    cache_k, cache_v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
   if backend == "xla":
     if cache_len is None:
       keys = jnp.concatenate([cache_k, k_win], axis=1)  # [B, S + Tw, K, D]
@@ -90,8 +93,6 @@ def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, 
     return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
   if cache_len is None:
     cache_len = visible_length(cache_ids)
-  if cache_k.dtype != q.dtype:  # a cache kept in another dtype (a copy; keep it in the compute dtype)
-    cache_k, cache_v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
 
   def kernel(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len):
     return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,

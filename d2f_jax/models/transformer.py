@@ -124,11 +124,10 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
     attn = kernels.attend(q, k, v, q_ids, kv_ids, impl=config.attention_impl)  # [B, T, H, D]
   else:
     cache_k, cache_v = cache_kv  # [B, S, K, D] or [L, B, S, K, D]; kv_ids = [cache ids | window ids]
-    if layer is not None and cache_k.dtype != dtype:  # converting the whole stack per layer would copy it all
-      cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
     size = cache_k.shape[-3]
-    attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k.astype(dtype), cache_v.astype(dtype),
-                                 kv_ids[:, :size], cache_len, layer=layer, impl=config.attention_impl)
+    # attend_window converts a cache kept in another dtype to q's (the compute dtype), one layer at a time
+    attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k, cache_v, kv_ids[:, :size], cache_len,
+                                 layer=layer, impl=config.attention_impl)
   x = x + _project("o", attn, w, lora, dtype, keys[3])
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
@@ -179,11 +178,11 @@ class Transformer(nnx.Module):
       return L.rms_norm(x, self.final_norm[...], c.norm_eps), (k, v)
     window_kv = []
     for i in range(c.num_layers):  # static slices: fused into the matmuls, and the kernel reads cache layer i
-      layer = functools.partial(body, cache_kv=cache_kv, layer=None if cache is None else i,
+      block = functools.partial(body, cache_kv=cache_kv, layer=None if cache is None else i,
                                 dropout_key=None if layer_keys is None else layer_keys[i])
       if c.remat:
-        layer = jax.checkpoint(layer)
-      x, kv = layer(x, {name: value[i] for name, value in weights.items()})
+        block = jax.checkpoint(block)
+      x, kv = block(x, {name: value[i] for name, value in weights.items()})
       x = constrain_batch(x)
       window_kv.append(kv)
     k = jnp.stack([kv[0] for kv in window_kv])  # [L, B, T, K, D]
