@@ -144,24 +144,23 @@ def write_cost(config, shape: StepShape, mesh, layers: int) -> dict:
   donated cache of `layers` layers, sharded as the loop state is)."""
   from d2f_jax.decode.mesh import as_decode_mesh
   from d2f_jax.models import KVCache
+  from d2f_jax.models.kv_cache import cache_specs
   placement = as_decode_mesh(mesh)
   layout, rows = placement.layout, placement.padded_batch(shape.batch)
-  c = config.replace(num_layers=layers)
   size, n = shape.prompt + shape.new_tokens, shape.tokens
 
   def write(cache, k, v, ids, count):
     with mesh_layout(layout):
       return cache.constrain(layout).write(k, v, ids, count).constrain(layout)
-  batch = layout.batch_split(rows) or None
-  heads = layout.head_axis if layout.num_devices > 1 and c.num_kv_heads % layout.head_size() == 0 else None
+  specs = cache_specs(layout, rows, config.num_kv_heads)  # as the loop state holds the cache
 
   def arg(dims, spec, dtype):
     return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, spec))
-  kv_spec = P(None, batch, None, heads, None)  # [L, B, S or T, K, D], as KVCache.constrain pins it
-  stacked = lambda length: arg((layers, rows, length, c.num_kv_heads, c.head_dim), kv_spec, jnp.dtype(c.dtype))
-  cache = KVCache(k=stacked(size), v=stacked(size), ids=arg((rows, size), P(batch, None), jnp.int32),
-                  length=arg((rows,), P(batch), jnp.int32))
-  args = (cache, stacked(n), stacked(n), arg((rows, n), P(batch, None), jnp.int32), arg((rows,), P(batch), jnp.int32))
+  stacked = lambda length: arg((layers, rows, length, config.num_kv_heads, config.head_dim), specs.k,
+                               jnp.dtype(config.dtype))  # [L, B, S or T, K, D]
+  cache = KVCache(k=stacked(size), v=stacked(size), ids=arg((rows, size), specs.ids, jnp.int32),
+                  length=arg((rows,), specs.length, jnp.int32))
+  args = (cache, stacked(n), stacked(n), arg((rows, n), specs.ids, jnp.int32), arg((rows,), specs.length, jnp.int32))
   compiled, seconds = _compile(lambda: jax.jit(write, donate_argnums=0).lower(*args))
   return {**cost_of(compiled), "compile_s": round(seconds, 2)}
 

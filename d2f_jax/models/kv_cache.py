@@ -33,17 +33,12 @@ class KVCache:
     return cache.constrain(current_layout())
 
   def constrain(self, layout: MeshLayout | None) -> "KVCache":
-    """Pin the cache to `layout` (a no-op without one): rows over its batch axes, kv heads over its head
-    axis when that divides them (else replicated across it, e.g. Dream-7B's 4 kv heads on tensor 8)."""
+    """Pin the cache to `layout` (a no-op without one), as `cache_specs` lays it out."""
     if layout is None or layout.num_devices == 1:
       return self
-    rows = layout.batch_split(self.ids.shape[0]) or None
-    heads = layout.head_axis if self.k.shape[3] % layout.head_size() == 0 else None
-    def pin(x, spec):
-      return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
-    kv = P(None, rows, None, heads, None)  # [L, B, S, K, D]
-    return KVCache(k=pin(self.k, kv), v=pin(self.v, kv), ids=pin(self.ids, P(rows, None)),
-                   length=pin(self.length, P(rows)))
+    specs = cache_specs(layout, self.ids.shape[0], self.k.shape[3])
+    pin = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    return jax.tree.map(pin, self, specs)
 
   @property
   def max_len(self) -> int:
@@ -65,3 +60,13 @@ class KVCache:
     ids = self.ids.at[rows, slots].set(ids_new, mode="drop")
     length = jnp.minimum(self.length + count, self.max_len)
     return self.replace(k=k, v=v, ids=ids, length=length)
+
+
+def cache_specs(layout: MeshLayout, batch: int, num_kv_heads: int) -> KVCache:
+  """The cache's partition specs under `layout` (a KVCache of PartitionSpecs): rows over its batch axes, kv
+  heads over its head axis when that divides them (else replicated across it, e.g. Dream-7B's 4 kv heads on
+  tensor 8)."""
+  rows = layout.batch_split(batch) or None
+  heads = layout.head_axis if num_kv_heads % layout.head_size() == 0 else None
+  kv = P(None, rows, None, heads, None)  # [L, B, S, K, D]
+  return KVCache(k=kv, v=kv, ids=P(rows, None), length=P(rows))
