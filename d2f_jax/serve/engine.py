@@ -56,7 +56,6 @@ class Engine(BackgroundLoop):
     self.queue: collections.deque[Request] = collections.deque()
     self.advance_calls = 0  # device calls of `advance` (for the bench)
     self.insert_calls = 0  # device calls of `insert`
-    self._called: set = set()  # programs (name, shape) already compiled, see _before_call
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
@@ -135,22 +134,11 @@ class Engine(BackgroundLoop):
       for size in self.config.insert_sizes:
         prompts = np.full((size, width), self.model.config.pad_token_id, np.int32)
         self._insert(list(range(size)), prompts, np.ones((size,), np.int32), [knobs] * size, [0] * size)
-        self._before_call("release", size)
         self.state = programs.release(self.state, np.arange(size, dtype=np.int32))
-    self._before_call("advance")
     self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
                                   steps=self.config.steps_per_call, layout=self.layout)
-    self._before_call("readout")
     jax.block_until_ready(programs.readout(self.state, spec=self.spec))
     return time.perf_counter() - start
-
-  def _before_call(self, *program) -> None:
-    """Before a program's first call (its compile) wait for the work in flight: XLA:CPU has crashed
-    (segmentation fault) compiling while queued computations ran (seen in the engine tests on 2 cores).
-    Later calls queue back to back as before."""
-    if program not in self._called:
-      self._called.add(program)
-      jax.block_until_ready(self.state)
 
   # --- the loop -------------------------------------------------------------------------------------------
 
@@ -168,13 +156,11 @@ class Engine(BackgroundLoop):
       self._emit(request, [], reason="cancelled")
     for slot, request in enumerate(self.slots):
       if request is not None and request.id in cancelled:
-        self._before_call("release")
         self.state = programs.release(self.state, np.int32(slot))
         self.slots[slot] = None
         self._emit(request, [], reason="cancelled")
     self._admit()
     if any(r is not None for r in self.slots):
-      self._before_call("advance")
       self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
                                     steps=self.config.steps_per_call, layout=self.layout)
       self.advance_calls += 1
@@ -208,7 +194,6 @@ class Engine(BackgroundLoop):
   def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list,
               seeds: list[int]) -> None:
     self.insert_calls += 1
-    self._before_call("insert", prompts.shape)
     row_knobs = jax.tree.map(lambda *rows: np.stack([np.asarray(r) for r in rows]), *knobs)
     self.state, self.knobs = programs.insert(
         self.model.graphdef, self.model.state, self.state, self.knobs, np.asarray(slots, np.int32), prompts,
@@ -216,7 +201,6 @@ class Engine(BackgroundLoop):
 
   def _publish(self) -> None:
     """Read the slots once; stream settled ids; finish and free the slots that are done."""
-    self._before_call("readout")
     read = jax.tree.map(np.asarray, jax.device_get(programs.readout(self.state, spec=self.spec)))
     mask_id = self.model.config.mask_token_id
     for slot, request in enumerate(self.slots):
