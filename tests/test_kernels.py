@@ -15,6 +15,7 @@ import pytest
 
 from d2f_jax.kernels import BlockSizes, flash_attention, window_attention, window_attention_reference
 from d2f_jax.models import PAD_ID, attention_ids, attention_reference
+from jaxpr_utils import all_eqns
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # (name, query heads, kv heads, head_dim): Dream-like GQA 7:1 at head_dim 64, LLaDA-like MHA at 128.
@@ -60,17 +61,6 @@ def _window_inputs(rng, heads, dtype, cache_size, lengths, window=11, block=4):
   garbage = lambda x: jnp.where(jnp.asarray(written)[:, :, None, None], x, jnp.nan)
   return dict(q=q, k_win=k_win, v_win=v_win, q_ids=win_ids, win_ids=win_ids, cache_k=garbage(cache_k),
               cache_v=garbage(cache_v), cache_ids=cache_ids, cache_len=lengths), jnp.asarray(written)
-
-
-def _pallas_operand_shapes(jaxpr):
-  """The operand shapes of every pallas_call in a jaxpr, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      yield [tuple(v.aval.shape) for v in eqn.invars]
-    for param in eqn.params.values():
-      inner = getattr(param, "jaxpr", param)
-      if hasattr(inner, "eqns"):
-        yield from _pallas_operand_shapes(inner)
 
 
 def _sequence_ids(pattern, batch, length):
@@ -146,7 +136,8 @@ class TestKernelsGPUInterpret:
     actual = self._window(**stacked, layer=1)
     np.testing.assert_array_equal(np.asarray(actual), np.asarray(self._window(**inputs)))
     jaxpr = jax.make_jaxpr(lambda a: self._window(**a, layer=1))(stacked)
-    operands = [shape for shapes in _pallas_operand_shapes(jaxpr.jaxpr) for shape in shapes]
+    operands = [tuple(v.aval.shape) for eqn in all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"
+                for v in eqn.invars]
     assert any(shape[:3] == (3, 3, size) for shape in operands), operands
 
   @pytest.mark.parametrize("pattern,heads,dtype", [("block_causal", "gqa7", "float32"),

@@ -13,6 +13,7 @@ from flax import nnx
 from d2f_jax.models import PAD_ID, TINY_DREAM, KVCache, ModelConfig, logits_for_mode
 from d2f_jax.models import forward as _forward
 from d2f_jax.models.config import PRESETS
+from jaxpr_utils import all_eqns
 from model_utils import random_model, random_tokens
 
 KERNEL_IMPLS = ["interpret_gpu", "interpret_tpu"]
@@ -89,17 +90,6 @@ def test_unrolled_decode_layers_equal_the_scan(impl):
   assert "scan" in str(jax.make_jaxpr(lambda: run(None))())  # ... and scans one without a cache
 
 
-def _converted_shapes(jaxpr):
-  """Output shapes of every convert_element_type in a jaxpr, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "convert_element_type":
-      yield tuple(eqn.outvars[0].aval.shape)
-    for param in eqn.params.values():
-      inner = getattr(param, "jaxpr", param)
-      if hasattr(inner, "eqns"):
-        yield from _converted_shapes(inner)
-
-
 def test_a_cache_in_another_dtype_is_converted_one_layer_at_a_time():
   """A bf16 cache under an fp32 model: the unrolled forward converts each layer's slice, never the stack (a
   copy of every layer per layer), and computes what the scan over per-layer slices computes."""
@@ -116,7 +106,8 @@ def test_a_cache_in_another_dtype_is_converted_one_layer_at_a_time():
   np.testing.assert_allclose(np.asarray(logits["auto"]), np.asarray(logits["scan"]), rtol=0, atol=1e-6)
   graphdef, state = _split("interpret_gpu")
   jaxpr = jax.make_jaxpr(lambda c: _forward(graphdef, state, tokens, positions, ids, c))(cache)
-  converted = list(_converted_shapes(jaxpr.jaxpr))
+  converted = [tuple(eqn.outvars[0].aval.shape) for eqn in all_eqns(jaxpr.jaxpr)
+               if eqn.primitive.name == "convert_element_type"]
   assert tuple(cache.k.shape[1:]) in converted and tuple(cache.k.shape) not in converted, converted
 
 
