@@ -124,6 +124,15 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
     evaluate.main(["--model", str(tmp_path / "teacher" / "hf"), "--task", "arithmetic", "--method", "ar",
                    "--limit", "1", "--out", str(tmp_path / "bad")])
 
+  # `bench serve` on the trained student: the engine and static batches time the same problems, and the
+  # engine's tokens are checked equal to generate's (bench serve exits non-zero when they differ).
+  from d2f_jax.bench import serve as bench_serve
+  report = tmp_path / "bench_serve.json"
+  bench_serve.main(["--workdir", str(tmp_path), "--slots", "2", "--limit", "3", "--repeats", "1",
+                    "--json", str(report)])
+  [row] = json.loads(report.read_text())["rows"]
+  assert row["slots"] == 2 and row["problems"] == 3 and row["identical"] is True and row["tokens"] > 0
+
 
 def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
   """Every prompt is decoded by every row, starting one row later each prompt; tokens and forwards add up;
