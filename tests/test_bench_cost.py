@@ -67,6 +67,35 @@ def test_an_opaque_kernel_is_replaced_by_the_attention_formula():
   assert got["source"] == "compiled + attention formula"
 
 
+def test_byte_counts_that_cannot_be_traffic_are_replaced_by_the_formula_for_the_whole_table():
+  """libtpu's 'bytes accessed' came out negative or under the weights (v5e-8); such a count is refused."""
+  import argparse
+  from d2f_jax.aot import topology as topo
+  from d2f_jax.models import preset
+  tiny = preset("tiny-llada", dtype="bfloat16", param_dtype="bfloat16")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  floor = cm.weight_bytes(tiny, mesh)
+  shapes = [dict(kind="ar_step", batch=b, prompt=32, new_tokens=32, block_size=8, width=1) for b in (1, 4)]
+  entry = lambda shape, nbytes: {"model": "tiny-llada", "cache_len": 64, "shape": shape, "mesh": mesh,
+                                 "compiled": {"flops": 1e6 * shape["batch"], "bytes": nbytes, "opaque": []}}
+  assert cm.implausible_bytes({"bytes": -1e6}, {"bytes": 2 * floor}, tiny, mesh) == "the compiler counts -0.001 GB"
+  assert "under the" in cm.implausible_bytes({"bytes": floor}, {"bytes": floor / 2}, tiny, mesh)
+  assert cm.implausible_bytes({"bytes": floor}, {"bytes": floor}, tiny, mesh) is None
+  args = argparse.Namespace(datasheet="H100 SXM", project="1,8")
+  results = json.loads(FIXTURE.read_text())
+  for low, refused in ((2 * floor, False), (floor / 3, True)):
+    entries = {"a": entry(shapes[0], low), "b": entry(shapes[1], 3 * floor)}
+    (table,) = cost.tables(topo.parse_target("cpu"), entries, results, args, log=lambda *_: None)
+    got = [e["accounted"] for e in table["entries"]]
+    assert ("not HBM traffic" in table["title"]) == refused
+    if refused:  # both programs, the plausible one too: one compiler's byte model is trusted whole or not at all
+      assert [a["bytes"] for a in got] == [e["formula"]["bytes"] for e in table["entries"]]
+      assert all(a["source"].endswith("; bytes: formula") for a in got)
+      assert "ar_step width 1 batch 1" in table["title"]
+    else:
+      assert [a["bytes"] for a in got] == [2 * floor, 3 * floor]
+
+
 def test_projection_arithmetic():
   assert cm.affine({1: 2.0, 33: 6.0}, 17) == pytest.approx(4.0)
   with pytest.raises(ValueError, match="two batches"):
@@ -90,6 +119,7 @@ def test_cli_on_the_cpu_compiler_prints_projections_and_reuses_its_cache(tmp_pat
   assert cost.main(argv) == 0
   first = capsys.readouterr().out
   assert "compiled in" in first and "PROJECTION (not a measurement)" in first
+  assert "not HBM traffic" not in first  # the CPU compiler's bytes cover the weights: its own count is used
   report = json.loads((tmp_path / "out.json").read_text())
   (table,) = report["tables"]
   assert [(p["program"], p["width"], p["batch"]) for p in table["programs"]] == [

@@ -193,6 +193,10 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
     title = (f"PROJECTION (not a measurement): {model} bf16 on {target.name} ({sheet.name}: {sheet.bf16_tflops:g} "
              f"TFLOP/s, {sheet.hbm_gbps:g} GB/s per chip; mesh {group[0]['mesh']}), cache {length} = prompt "
              f"{length - new} + {new} new tokens, block {group[0]['shape']['block_size']}")
+    refused = _refuse_implausible_bytes(group)
+    if refused:
+      title += (f"\nThe compiler's byte counts are not HBM traffic here ({refused}): the 'compiled' column "
+                "takes its FLOPs and the formula's bytes")
     programs = cost_report.program_rows(group, sheet)
     ms = cost_report.ms_tables(group, sheet)
     fitted = len(ms["compiled"]) >= 2  # tokens/s needs costs at two batches (affine in the rows)
@@ -206,6 +210,23 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
     out.append({"target": target.name, "model": model, "cache_len": length, "datasheet": sheet.name,
                 "title": title, "programs": programs, "methods": methods, "entries": group})
   return out
+
+
+def _refuse_implausible_bytes(group: list[dict]) -> str:
+  """When any program's compiled bytes are not physical (cost_model.implausible_bytes), none of the group's
+  are trusted (they come from one compiler's model): every entry takes the formula's bytes. Returns why, or ''."""
+  from d2f_jax.models import preset
+  reasons = []
+  for e in group:
+    config = preset(e["model"], dtype="bfloat16", param_dtype="bfloat16")
+    why = cm.implausible_bytes(e["compiled"], e["accounted"], config, e["mesh"])
+    if why:
+      reasons.append(f"{e['shape']['kind']} width {e['shape']['width']} batch {e['shape']['batch']}: {why}")
+  if not reasons:
+    return ""
+  for e in group:
+    e["accounted"] = cm.with_formula_bytes(e["accounted"], e["formula"])
+  return f"{len(reasons)} of {len(group)} programs, e.g. {reasons[0]}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,29 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
   return out
 
 
+def weight_bytes(config, mesh_shape: dict) -> float:
+  """Bytes of the layer weights and the head per device: a floor under any forward's traffic (every weight is
+  read at least once; replicated parts only raise the real figure)."""
+  return BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size) / mesh_shape.get("tensor", 1)
+
+
+def implausible_bytes(compiled: dict, accounted: dict, config, mesh_shape: dict) -> str | None:
+  """Why a compiler's byte count cannot be HBM traffic (None when it can): negative, or the accounted
+  forward moving fewer bytes than its own weights. libtpu's 'bytes accessed' fails this (v5e-8 LLaDA: 1.3 GB
+  accounted for a D2F step whose weights are 1.9 GB per device, negative counts on Dream)."""
+  floor = weight_bytes(config, mesh_shape)
+  if compiled["bytes"] < 0:
+    return f"the compiler counts {compiled['bytes'] / 1e9:.3g} GB"
+  if accounted["bytes"] < floor:
+    return f"{accounted['bytes'] / 1e9:.3g} GB accounted, under the {floor / 1e9:.3g} GB of weights per device"
+  return None
+
+
+def with_formula_bytes(accounted: dict, formula: dict) -> dict:
+  """The compiled cost with the formula's bytes: its FLOPs still checked, its traffic from the roofline."""
+  return {**accounted, "bytes": formula["bytes"], "source": accounted["source"] + "; bytes: formula"}
+
+
 def milliseconds(cost: dict, sheet) -> float:
   """Roofline time of one forward: max(FLOPs / peak, bytes / bandwidth), in ms."""
   return 1000 * max(cost["flops"] / (sheet.bf16_tflops * 1e12), cost["bytes"] / (sheet.hbm_gbps * 1e9))
