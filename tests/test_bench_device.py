@@ -81,3 +81,29 @@ def test_packaged_compiled_costs_are_of_this_cost_version():
   for path in files:
     keys = json.loads(path.read_text())
     assert keys and all(k.split("|")[1] == f"v{cost_compile.COST_VERSION}" for k in keys), path
+
+
+def test_the_projection_drops_compiled_bytes_when_a_sibling_program_shows_them_implausible(tmp_path):
+  """bench cost's rule, applied where the device's numbers are compared: one program of the same model and
+  cache with bytes under its weights (libtpu's count did this) and the compiled column uses the formula's."""
+  from d2f_jax import datasheets
+  from d2f_jax.bench import cost_model as cm
+  from d2f_jax.decode.step_programs import StepShape
+  from d2f_jax.models import preset
+  config = preset("tiny-llada", dtype="bfloat16", param_dtype="bfloat16")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  floor, sheet = cm.weight_bytes(config, mesh), datasheets.by_name("TPU v5e")
+  shapes = [dict(kind="ar_step", batch=b, prompt=32, new_tokens=32, block_size=8, width=1) for b in (1, 2)]
+  step = StepShape(**shapes[0])
+
+  def projected(sibling_bytes):
+    entries = {cost.cache_key("v5e-1", "tiny-llada", s): {
+        "model": "tiny-llada", "cache_len": 64, "shape": s, "mesh": mesh,
+        "compiled": {"flops": 1e3, "bytes": nbytes, "opaque": []}} for s, nbytes in zip(shapes, (3 * floor, sibling_bytes))}
+    (tmp_path / "v5e-1.json").write_text(json.dumps(entries))
+    return device.projected("v5e-1", sheet, "tiny-llada", config, step, mesh, [str(tmp_path)])
+
+  assert projected(4 * floor)["compiled"] == cm.milliseconds({"flops": 1e3, "bytes": 3 * floor}, sheet)
+  formula_bytes = cm.formula_cost(config, step, mesh)["bytes"]
+  assert projected(-1.0)["compiled"] == cm.milliseconds({"flops": 1e3, "bytes": formula_bytes}, sheet)
+  assert formula_bytes != 3 * floor  # the two cases differ

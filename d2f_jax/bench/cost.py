@@ -212,21 +212,29 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
   return out
 
 
-def _refuse_implausible_bytes(group: list[dict]) -> str:
-  """When any program's compiled bytes are not physical (cost_model.implausible_bytes), none of the group's
-  are trusted (they come from one compiler's model): every entry takes the formula's bytes. Returns why, or ''."""
+def implausible_group(group: list[dict]) -> str:
+  """Why the compiled bytes of one (target, model, cache length) group of cache entries are not HBM traffic,
+  or '': any program's count failing cost_model.implausible_bytes condemns the group's (one compiler's byte
+  model, trusted whole or not at all)."""
+  from d2f_jax.decode.step_programs import StepShape
   from d2f_jax.models import preset
   reasons = []
   for e in group:
     config = preset(e["model"], dtype="bfloat16", param_dtype="bfloat16")
-    why = cm.implausible_bytes(e["compiled"], e["accounted"], config, e["mesh"])
+    accounted = cm.accounted_cost(e["compiled"], config, StepShape(**e["shape"]), e["mesh"])
+    why = cm.implausible_bytes(e["compiled"], accounted, config, e["mesh"])
     if why:
       reasons.append(f"{e['shape']['kind']} width {e['shape']['width']} batch {e['shape']['batch']}: {why}")
-  if not reasons:
-    return ""
-  for e in group:
-    e["accounted"] = cm.with_formula_bytes(e["accounted"], e["formula"])
-  return f"{len(reasons)} of {len(group)} programs, e.g. {reasons[0]}"
+  return f"{len(reasons)} of {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
+
+
+def _refuse_implausible_bytes(group: list[dict]) -> str:
+  """Every entry of a group whose compiled bytes are implausible takes the formula's bytes; returns why, or ''."""
+  refused = implausible_group(group)
+  if refused:
+    for e in group:
+      e["accounted"] = cm.with_formula_bytes(e["accounted"], e["formula"])
+  return refused
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,17 +101,21 @@ def cm_ints(text: str) -> list[int]:
 def projected(target, sheet, model: str, config, shape, mesh_shape: dict, cost_dirs: list[str]) -> dict:
   """Projected ms of `shape` on this target: compiled (when a cost cache holds it) and formula."""
   import dataclasses
-  from d2f_jax.bench.cost import cache_key, load_json
+  from d2f_jax.bench.cost import cache_key, implausible_group, load_json
   # Any jax version's compile will do (the device may run another), but only this cost version's.
   key_tail = cache_key(str(target), model, dataclasses.asdict(shape)).split("|", 1)[1]
-  entry = None
+  entry, group = None, []
   for folder in cost_dirs:
     cache = load_json(os.path.join(folder, f"{target}.json")) if target else {}
-    entry = next((v for k, v in cache.items() if k.split("|", 1)[1] == key_tail), entry)
+    found = next((v for k, v in cache.items() if k.split("|", 1)[1] == key_tail), None)
+    if found is not None:
+      entry = found
+      group = [v for k, v in cache.items() if k.split("|")[1] == key_tail.split("|")[0]
+               and v["model"] == model and v["cache_len"] == found["cache_len"]]
   out = {"formula": cm.milliseconds(cm.formula_cost(config, shape, mesh_shape), sheet)}
   if entry is not None:
     accounted = cm.accounted_cost(entry["compiled"], config, shape, entry["mesh"])
-    if cm.implausible_bytes(entry["compiled"], accounted, config, entry["mesh"]):  # as bench cost refuses them
+    if implausible_group(group):  # bench cost's rule: that compiler's bytes are not traffic, its FLOPs are kept
       accounted = cm.with_formula_bytes(accounted, cm.formula_cost(config, shape, entry["mesh"]))
     out["compiled"] = cm.milliseconds(accounted, sheet)
   return out
