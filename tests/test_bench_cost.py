@@ -94,6 +94,12 @@ def test_byte_counts_that_cannot_be_traffic_are_replaced_by_the_formula_for_the_
       assert "ar_step width 1 batch 1" in table["title"]
     else:
       assert [a["bytes"] for a in got] == [2 * floor, 3 * floor]
+  # each count above the weights, but fewer bytes at batch 4 than at batch 1: not traffic either
+  falling = {"a": entry(shapes[0], 3 * floor), "b": entry(shapes[1], 2 * floor)}
+  assert "fewer" in cost.implausible_group(list(falling.values()))
+  (table,) = cost.tables(topo.parse_target("cpu"), falling, results, args, log=lambda *_: None)
+  assert "ar_step width 1: " in table["title"] and "at batch 4" in table["title"]
+  assert [e["accounted"]["bytes"] for e in table["entries"]] == [e["formula"]["bytes"] for e in table["entries"]]
 
 
 def test_projection_arithmetic():

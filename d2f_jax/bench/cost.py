@@ -214,18 +214,27 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
 
 def implausible_group(group: list[dict]) -> str:
   """Why the compiled bytes of one (target, model, cache length) group of cache entries are not HBM traffic,
-  or '': any program's count failing cost_model.implausible_bytes condemns the group's (one compiler's byte
-  model, trusted whole or not at all)."""
+  or '': any program's count failing cost_model.implausible_bytes, or one program accounting fewer bytes at a
+  larger batch (more rows never move less), condemns the group's (one compiler's byte model, trusted whole or
+  not at all). libtpu passes the first test on some tables and fails the second (v5p-8 Dream-7B, cache 512:
+  AR step 1.89 ms of bytes at batch 1, 1.86 at batch 32)."""
   from d2f_jax.decode.step_programs import StepShape
   from d2f_jax.models import preset
-  reasons = []
+  reasons, by_program = [], {}
   for e in group:
     config = preset(e["model"], dtype="bfloat16", param_dtype="bfloat16")
     accounted = cm.accounted_cost(e["compiled"], config, StepShape(**e["shape"]), e["mesh"])
+    name = f"{e['shape']['kind']} width {e['shape']['width']}"
+    by_program.setdefault(name, {})[e["shape"]["batch"]] = accounted["bytes"]
     why = cm.implausible_bytes(e["compiled"], accounted, config, e["mesh"])
     if why:
-      reasons.append(f"{e['shape']['kind']} width {e['shape']['width']} batch {e['shape']['batch']}: {why}")
-  return f"{len(reasons)} of {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
+      reasons.append(f"{name} batch {e['shape']['batch']}: {why}")
+  for name, by_batch in by_program.items():
+    lo, hi = min(by_batch), max(by_batch)
+    if by_batch[hi] < by_batch[lo]:
+      reasons.append(f"{name}: {by_batch[lo] / 1e9:.3g} GB accounted at batch {lo}, fewer ({by_batch[hi] / 1e9:.3g}) "
+                     f"at batch {hi}")
+  return f"{len(reasons)} failed checks over {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
 
 
 def _refuse_implausible_bytes(group: list[dict]) -> str:
