@@ -234,7 +234,7 @@ def implausible_group(group: list[dict]) -> str:
     if by_batch[hi] < by_batch[lo]:
       reasons.append(f"{name}: {by_batch[lo] / 1e9:.3g} GB accounted at batch {lo}, fewer ({by_batch[hi] / 1e9:.3g}) "
                      f"at batch {hi}")
-  return f"{len(reasons)} failed checks over {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
+  return f"{len(reasons)} failed check{'s' * (len(reasons) > 1)} over {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
 
 
 def _refuse_implausible_bytes(group: list[dict]) -> str:
