@@ -217,7 +217,7 @@ def implausible_group(group: list[dict]) -> str:
   or '': any program's count failing cost_model.implausible_bytes, or one program accounting fewer bytes at a
   larger batch (more rows never move less), condemns the group's (one compiler's byte model, trusted whole or
   not at all). libtpu passes the first test on some tables and fails the second (v5p-8 Dream-7B, cache 512:
-  AR step 1.89 ms of bytes at batch 1, 1.86 at batch 32)."""
+  AR step 5.23 GB at batch 1, 5.15 GB at batch 32)."""
   from d2f_jax.decode.step_programs import StepShape
   from d2f_jax.models import preset
   reasons, by_program = [], {}
@@ -230,11 +230,13 @@ def implausible_group(group: list[dict]) -> str:
     if why:
       reasons.append(f"{name} batch {e['shape']['batch']}: {why}")
   for name, by_batch in by_program.items():
-    lo, hi = min(by_batch), max(by_batch)
-    if by_batch[hi] < by_batch[lo]:
+    if cm.falls_with_rows(by_batch):
+      lo, hi = min(by_batch), max(by_batch)
       reasons.append(f"{name}: {by_batch[lo] / 1e9:.3g} GB accounted at batch {lo}, fewer ({by_batch[hi] / 1e9:.3g}) "
                      f"at batch {hi}")
-  return f"{len(reasons)} failed check{'s' * (len(reasons) > 1)} over {len(group)} programs, e.g. {reasons[0]}" if reasons else ""
+  if not reasons:
+    return ""
+  return f"{len(reasons)} failed check{'s' * (len(reasons) > 1)} over {len(group)} programs, e.g. {reasons[0]}"
 
 
 def _refuse_implausible_bytes(group: list[dict]) -> str:

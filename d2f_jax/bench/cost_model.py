@@ -109,15 +109,21 @@ def milliseconds(cost: dict, sheet) -> float:
   return 1000 * max(cost["flops"] / (sheet.bf16_tflops * 1e12), cost["bytes"] / (sheet.hbm_gbps * 1e9))
 
 
+def falls_with_rows(points: dict[int, float]) -> bool:
+  """Whether a per-forward cost is lower at the largest compiled batch than at the smallest: more rows never
+  move fewer bytes or do less work, so such a count is not a model of the forward."""
+  return points[max(points)] < points[min(points)]
+
+
 def affine(points: dict[int, float], batch: float) -> float | None:
   """A per-forward quantity at `batch`, from its values at two or more compiled batches: affine in the rows
   (weights once per forward, everything else per row), fitted through the smallest and the largest. None
   when the cost falls as rows are added: not physical, so the compiler's count is not a traffic model there."""
   if len(points) == 1:
     raise ValueError(f"affine: need costs at two batches to fit, got only batch {list(points)}")
-  lo, hi = min(points), max(points)
-  if points[hi] < points[lo]:
+  if falls_with_rows(points):
     return None
+  lo, hi = min(points), max(points)
   return points[lo] + (batch - lo) * (points[hi] - points[lo]) / (hi - lo)
 
 
