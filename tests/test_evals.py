@@ -67,12 +67,35 @@ def _write_jsonl(path, rows, raw_lines=()):
 SMALL = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(1, 6)]
 
 
+@pytest.mark.real_data("gsm8k_test.jsonl")
 def test_loader_reads_the_real_test_split():
-  items = gsm8k.Gsm8kTask().load()
+  items = gsm8k.Gsm8kTask().load()  # from the data directory, as a user's default run reads it
   assert len(items) == 1319
   assert items[0]["id"] == "gsm8k/0" and items[0]["target"] == "18"
   assert len({item["id"] for item in items}) == 1319
   assert all(item["prompt"].endswith("\nAnswer:") for item in items[:5])
+
+
+def test_loader_reads_the_data_directory(fixture_data_dir, monkeypatch):
+  """The default path is the data directory's gsm8k_test.jsonl: worked steps with <<a*b=c>> notes and
+  '#### N' answers written with a comma, a minus sign or a decimal point."""
+  monkeypatch.setenv("D2F_DATA_DIR", str(fixture_data_dir))
+  items = gsm8k.Gsm8kTask().load()
+  assert [item["id"] for item in items] == [f"gsm8k/{i}" for i in range(8)]
+  assert [item["target"] for item in items] == ["19", "45", "1625", "-7", "3.5", "78", "72", "390"]
+  assert all(item["prompt"].endswith("\nAnswer:") and item["prompt"].count("Question:") == 5 for item in items)
+  assert gsm8k.Gsm8kTask().options()["path"] == str(fixture_data_dir / "gsm8k_test.jsonl")
+
+
+def test_fixture_files_are_what_their_generator_writes(fixture_data_dir):
+  import sys
+  sys.path.insert(0, str(fixture_data_dir.parent))
+  try:
+    import benchmark_data
+  finally:
+    sys.path.remove(str(fixture_data_dir.parent))
+  for name, content in benchmark_data.expected_files().items():
+    assert (fixture_data_dir / name).read_bytes() == content, f"run python tests/fixtures/benchmark_data.py ({name})"
 
 
 def test_loader_reads_any_file_with_the_same_fields(tmp_path):
@@ -133,10 +156,19 @@ def test_gsm8k_scoring(tmp_path):
 
 # --- HumanEval processing --------------------------------------------------------------------------
 
+@pytest.mark.real_data("HumanEval.jsonl.gz")
 def test_humaneval_loader_reads_the_real_file():
   problems = humaneval.load_problems()
   assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
   assert set(humaneval.FIELDS) <= set(problems[0])
+
+
+def test_humaneval_loader_reads_the_data_directory(fixture_data_dir, monkeypatch):
+  monkeypatch.setenv("D2F_DATA_DIR", str(fixture_data_dir))
+  problems = humaneval.load_problems()
+  assert [p["task_id"] for p in problems] == [f"Fixture/{i}" for i in range(6)]
+  assert all(set(humaneval.FIELDS) <= set(p) for p in problems)
+  assert [p["task_id"] for p in humaneval.load_problems(limit=2)] == ["Fixture/0", "Fixture/1"]
 
 
 @pytest.mark.parametrize("generation, expected", [
@@ -156,10 +188,10 @@ def test_truncate_completion(generation, expected):
   assert humaneval.truncate_completion(generation, "f") == expected
 
 
-def test_full_function_completion_runs_after_the_prompt(tmp_path):
-  problem = humaneval.load_problems(limit=1)[0]  # has_close_elements, with `from typing import List`
-  body = problem["canonical_solution"]
-  generation = (f"```python\ndef {problem['entry_point']}(numbers: List[float], threshold: float) -> bool:\n"
+def test_full_function_completion_runs_after_the_prompt(fixture_data_dir):
+  problem = humaneval.load_problems(str(fixture_data_dir / "HumanEval.jsonl.gz"), limit=1)[0]
+  body = problem["canonical_solution"]  # count_above, whose prompt imports List from typing
+  generation = (f"```python\ndef {problem['entry_point']}(numbers: List[float], limit: float) -> int:\n"
                 f"{body}```\nDone.")
   completion = humaneval.truncate_completion(generation, problem["entry_point"])
   program = humaneval.build_program(problem, completion)
@@ -196,10 +228,11 @@ def _read_samples(path):
     return [json.loads(line) for line in f]
 
 
-def test_cli_gsm8k_end_to_end(checkpoint, tmp_path):
+def test_cli_gsm8k_end_to_end(checkpoint, tmp_path, fixture_data_dir):
   from d2f_jax import evaluate
   out = tmp_path / "gsm8k"
-  results = evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--limit", "2", "--n_shot", "1",
+  data = str(fixture_data_dir / "gsm8k_test.jsonl")
+  results = evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--data", data, "--limit", "2", "--n_shot", "1",
                            "--block_size", "8", "--max_new_tokens", "16", "--max_blocks_in_flight", "2",
                            "--out", str(out)])
   with open(out / "results.json") as f:
@@ -208,6 +241,7 @@ def test_cli_gsm8k_end_to_end(checkpoint, tmp_path):
   assert 0.0 <= saved["score"] <= 100.0 and saved["score"] == results["score"]
   assert saved["decode"]["method"] == "d2f" and saved["decode"]["block_size"] == 8
   assert saved["settings"]["batch_size"] == 1 and saved["task_options"]["n_shot"] == 1
+  assert saved["task_options"]["path"] == data
   speed = saved["speed"]
   assert speed["warmup"]["batches"] >= 1 and speed["warmup"]["compiled_batches_in_timing"] == 0
   assert 0 < speed["tokens"] <= 2 * 16 and speed["forwards"] > 0
@@ -219,20 +253,21 @@ def test_cli_gsm8k_end_to_end(checkpoint, tmp_path):
     assert isinstance(s["correct"], bool) and 0 < s["tokens"] <= 16
 
 
-def test_runner_humaneval_batched(checkpoint, tmp_path):
+def test_runner_humaneval_batched(checkpoint, tmp_path, fixture_data_dir):
   import d2f_jax
   from d2f_jax.decode import DecodeConfig
   from d2f_jax.evals import make_task, run_benchmark
 
   model = d2f_jax.load_model(checkpoint)
-  task = make_task("humaneval", sandbox=_sandbox(timeout_s=5.0), workers=2)
+  task = make_task("humaneval", path=str(fixture_data_dir / "HumanEval.jsonl.gz"), sandbox=_sandbox(timeout_s=5.0),
+                   workers=2)
   config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=16, max_blocks_in_flight=2, prompt_buckets=256)
   results = run_benchmark(model, task, config, batch_size=2, limit=2, out_dir=str(tmp_path), log=None)
   assert results["metric"] == "pass@1" and results["total"] == 2 and results["correct"] == 0
   assert results["settings"]["batch_size"] == 2 and results["task_options"]["sandbox"]["timeout_s"] == 5.0
   assert results["task_options"]["sandbox"]["isolation"] == task.sandbox.isolation  # recorded in results.json
   samples = _read_samples(tmp_path / "samples.jsonl")
-  assert [s["id"] for s in samples] == ["HumanEval/0", "HumanEval/1"]
+  assert [s["id"] for s in samples] == ["Fixture/0", "Fixture/1"]
   assert all(s["status"] in ("failed", "timeout") and s["batch"] == 0 for s in samples)
   assert results["speed"]["engine"] is True  # batch > 1 with d2f: through the continuous-batching engine
 

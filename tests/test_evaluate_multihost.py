@@ -14,7 +14,8 @@ from d2f_jax.evals.processes import Processes, assign_batches, merge_shares
 from d2f_jax.models import TINY_LLADA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--task", "gsm8k", "--limit", "5", "--n_shot", "1", "--batch_size", "2", "--block_size", "4",
+GSM8K_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "data", "gsm8k_test.jsonl")  # the project's own problems
+FLAGS = ["--task", "gsm8k", "--data", GSM8K_FIXTURE, "--limit", "5", "--n_shot", "1", "--batch_size", "2", "--block_size", "4",
          "--max_new_tokens", "8", "--max_blocks_in_flight", "2", "--tau_conf", "0.02", "--attention", "xla"]
 
 

@@ -1,5 +1,5 @@
-"""The lm-evaluation-harness adapter end to end on a tiny model and the local data ($D2F_DATA_DIR): the
-documented command runs, its results JSON is lm-eval's, and it agrees with the built-in harness problem by
+"""The lm-evaluation-harness adapter end to end on a tiny model and the data directory ($D2F_DATA_DIR, here
+the project's own GSM8K / HumanEval-format files of tests/fixtures/data): the documented command runs, its results JSON is lm-eval's, and it agrees with the built-in harness problem by
 problem under the same prompts and extraction. Offline: no hub access is attempted."""
 
 import glob
@@ -13,7 +13,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from d2f_jax.datafiles import default_path  # noqa: E402
 from d2f_jax.evals import gsm8k  # noqa: E402
 from d2f_jax.models import TINY_LLADA  # noqa: E402
 
@@ -38,25 +37,22 @@ def model(checkpoint):
 
 
 @pytest.fixture
-def elsewhere(monkeypatch, tmp_path):
+def elsewhere(monkeypatch, tmp_path, fixture_data_dir):
   monkeypatch.chdir(tmp_path)  # the task configs work from any directory
-  if not os.path.exists(default_path(gsm8k.DEFAULT_FILE)):
-    pytest.skip(f"no {gsm8k.DEFAULT_FILE} in the data directory ($D2F_DATA_DIR)")
+  monkeypatch.setenv("D2F_DATA_DIR", str(fixture_data_dir))  # and read the data directory
 
 
 @pytest.fixture(scope="module")
-def cli_run(checkpoint, tmp_path_factory):
+def cli_run(checkpoint, tmp_path_factory, fixture_data_dir):
   """The documented command (in process), on the built-in protocol's task config."""
   from d2f_jax.evals.lm_eval_model import main
   out = tmp_path_factory.mktemp("lm_eval_out")
-  cwd = os.getcwd()
-  os.chdir(out)  # any directory: the task configs read the data directory, not a relative path
-  try:
+  with pytest.MonkeyPatch.context() as patch:
+    patch.chdir(out)  # any directory: the task configs read the data directory, not a relative path
+    patch.setenv("D2F_DATA_DIR", str(fixture_data_dir))
     main(["--model", "d2f_jax", "--model_args", f"pretrained={checkpoint},{DECODE_ARGS}", "--tasks", "gsm8k_builtin",
           "--include_path", str(TASKS_DIR), "--limit", str(LIMIT), "--gen_kwargs", f"max_gen_toks={NEW_TOKENS}",
           "--output_path", str(out), "--log_samples"])
-  finally:
-    os.chdir(cwd)
   results = json.loads(Path(glob.glob(f"{out}/**/results_*.json", recursive=True)[0]).read_text())
   samples_file = glob.glob(f"{out}/**/samples_gsm8k_builtin_*.jsonl", recursive=True)[0]
   samples = sorted((json.loads(line) for line in open(samples_file)), key=lambda s: s["doc_id"])
@@ -135,7 +131,7 @@ def test_humaneval_task_is_judged_in_the_sandbox(model, elsewhere, monkeypatch):
   out = lm_eval.simple_evaluate(model=lm, tasks=["humaneval_d2f"], task_manager=_task_manager(), limit=2,
                                 gen_kwargs="max_gen_toks=8", bootstrap_iters=0)
   assert out["results"]["humaneval_d2f"]["pass@1,none"] == 0.0  # random tiny weights write no working code
-  assert [s["doc"]["task_id"] for s in out["samples"]["humaneval_d2f"]] == ["HumanEval/0", "HumanEval/1"]
+  assert [s["doc"]["task_id"] for s in out["samples"]["humaneval_d2f"]] == ["Fixture/0", "Fixture/1"]
 
 
 class _Request:

@@ -150,9 +150,9 @@ def load_exemplars(path: str, n: int, seed: int = 1234) -> list[tuple[str, str, 
 class Gsm8kTask:
   """GSM8K as the runner sees it: items with a prompt and a target, and a scorer.
 
-  path: GSM8K-format JSONL (default ../shared/data/gsm8k_test.jsonl). fewshot_path: draw the exemplars
-  from this file (seeded) instead of the built-in set; when it is the evaluated file itself, the drawn
-  items are left out of the evaluation.
+  path: GSM8K-format JSONL (default: gsm8k_test.jsonl in the data directory, datafiles.data_dir()).
+  fewshot_path: draw the exemplars from this file (seeded) instead of the built-in set; when it is the
+  evaluated file itself, the drawn items are left out of the evaluation.
   """
 
   path: str | None = None
