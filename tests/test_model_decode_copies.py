@@ -1,0 +1,116 @@
+"""What a decode forward adds so the accelerator compilers move no byte they need not, and what it costs
+the outputs: nothing. The barriers (q/k/v from three operands; the window's K/V tied to the last layer's
+output, so the in-place cache write follows every cache read) are values-preserving; checked here bit for
+bit under the product's compile settings, bf16 and fp32. The copies themselves are found in the optimized
+H100 / TPU modules by d2f_jax.bench.hlo_copies (tests/accel/test_accel_copies.py); its parser is tested here
+on module text."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d2f_jax.api import Model
+from d2f_jax.bench.hlo_copies import copied_slices
+from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.models import TINY_DREAM, TINY_LLADA, KVCache
+from d2f_jax.models import forward as _forward
+from jaxpr_utils import all_eqns
+from model_utils import random_model
+
+PROMPTS = [[5, 6, 7, 9, 11], [8, 9, 10, 11, 12, 13, 14], [13, 2]]
+
+
+@pytest.fixture
+def product_compile_settings():
+  """The suite compiles with most optimisations off and fp32 matmuls at 'highest'; fusion decisions (and so
+  what a barrier could change) are the product's only with both at their defaults."""
+  saved = {name: jax.config.values[name] for name in ("jax_disable_most_optimizations", "jax_default_matmul_precision")}
+  jax.config.update("jax_disable_most_optimizations", False)
+  jax.config.update("jax_default_matmul_precision", None)
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
+
+
+def _decode(config, method):
+  model = Model.from_module(random_model(config, seed=1))
+  decode = DecodeConfig(method=method, block_size=4, max_new_tokens=16, max_blocks_in_flight=2, tau_conf=0.05,
+                        prompt_buckets=8)
+  result = generate(model, PROMPTS, decode)
+  return np.asarray(result.tokens), np.asarray(result.forwards)
+
+
+@pytest.mark.parametrize("config, dtype, method", [(TINY_LLADA, "bfloat16", "d2f"), (TINY_DREAM, "bfloat16", "ar"),
+                                                   (TINY_DREAM, "float32", "d2f")])
+def test_the_decode_barriers_change_no_output_bit(config, dtype, method, product_compile_settings, monkeypatch):
+  config = config.replace(dtype=dtype, param_dtype=dtype)
+  jax.clear_caches()
+  with_barriers = _decode(config, method)
+  monkeypatch.setattr(jax.lax, "optimization_barrier", lambda values: values)
+  jax.clear_caches()
+  without = _decode(config, method)
+  jax.clear_caches()
+  for a, b in zip(with_barriers, without):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_barriers_are_in_cached_forwards_only():
+  module = random_model(TINY_DREAM)
+  from flax import nnx
+  graphdef, state = nnx.split(module)
+  tokens = jnp.zeros((2, 6), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  ids = jnp.zeros((2, 6), jnp.int32)
+
+  def barriers(cache):
+    jaxpr = jax.make_jaxpr(lambda: _forward(graphdef, state, tokens, positions, ids, cache))()
+    return sum(eqn.primitive.name == "optimization_barrier" for eqn in all_eqns(jaxpr.jaxpr))
+  # one per layer (q/k/v operands) and one tying the window's K/V to the last layer's output
+  assert barriers(KVCache.init(TINY_DREAM, batch=2, max_len=12)) == TINY_DREAM.num_layers + 1
+  assert barriers(None) == 0  # training and prefill-free forwards are untouched
+
+
+_MODULE = """HloModule step
+
+%wrapped_slice_computation (param_0: bf16[3,32,128,4096]) -> bf16[1,32,128,4096] {
+  %param_0 = bf16[3,32,128,4096]{3,2,1,0} parameter(0)
+  ROOT %slice.1 = bf16[1,32,128,4096]{3,2,1,0} slice(%param_0), slice={[0:1], [0:32], [0:128], [0:4096]}
+}
+
+%fused_dus (p0: bf16[3,1,1024,32,128], p1: bf16[1,1,1,32,128], p2: s32[]) -> bf16[3,1,1024,32,128] {
+  %p0 = bf16[3,1,1024,32,128]{4,3,2,1,0} parameter(0)
+  %p1 = bf16[1,1,1,32,128]{4,3,2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  ROOT %dus = bf16[3,1,1024,32,128]{4,3,2,1,0} dynamic-update-slice(%p0, %p1, %p2, %p2, %p2, %p2, %p2)
+}
+
+%gemm (a: bf16[1,4096], b: bf16[3,4096,4096]) -> f32[1,4096] {
+  %a = bf16[1,4096]{1,0} parameter(0)
+  %b = bf16[3,4096,4096]{2,1,0} parameter(1)
+  ROOT %d = f32[1,4096]{1,0} dot(%a, %b)
+}
+
+ENTRY %main (params__layers____o___value.1: bf16[3,32,128,4096], state_cache_k.1: bf16[3,1,1024,32,128], x: bf16[1,4096]) -> f32[1,4096] {
+  %params__layers____o___value.1 = bf16[3,32,128,4096]{3,2,1,0} parameter(0), sharding={replicated}
+  %state_cache_k.1 = bf16[3,1,1024,32,128]{4,3,2,1,0} parameter(1)
+  %params__layers____q___value.1 = bf16[3,4096,4096]{2,1,0} parameter(2)
+  %x = bf16[1,4096]{1,0} parameter(3)
+  %new = bf16[1,1,1,32,128]{4,3,2,1,0} parameter(4)
+  %i = s32[] parameter(5)
+  %wrapped_slice = bf16[1,32,128,4096]{3,2,1,0} fusion(%params__layers____o___value.1), kind=kLoop, calls=%wrapped_slice_computation
+  %copy.7 = bf16[3,1,1024,32,128]{4,3,2,1,0} copy(%state_cache_k.1)
+  %small = bf16[1,32]{1,0} slice(%params__layers____o___value.1), slice={[0:1], [0:32]}
+  %write = bf16[3,1,1024,32,128]{4,3,2,1,0} fusion(%copy.7, %new, %i), kind=kLoop, calls=%fused_dus
+  %gemm_fusion_dot = f32[1,4096]{1,0} fusion(%x, %params__layers____q___value.1), kind=kCustom, calls=%gemm
+  ROOT %out = f32[1,4096]{1,0} add(%gemm_fusion_dot, %gemm_fusion_dot)
+}
+"""
+
+
+def test_copied_slices_finds_copies_of_weight_and_cache_slices_only():
+  found = {(c.instruction, c.op, c.source, c.bytes) for c in copied_slices(_MODULE)}
+  assert found == {("wrapped_slice", "kLoop", "params__layers____o___value.1", 32 * 128 * 4096 * 2),
+                   ("copy.7", "copy", "state_cache_k.1", 3 * 1024 * 32 * 128 * 2)}
+  # the 64-byte slice is under the threshold; the gemm fusion and the in-place update read in place
+  assert [c.instruction for c in copied_slices(_MODULE, min_bytes=1)] == ["wrapped_slice", "copy.7", "small"]
