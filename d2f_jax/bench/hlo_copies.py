@@ -72,11 +72,12 @@ def copied_slices(hlo_text: str, min_bytes: int = 1 << 20) -> list[Copy]:
   computation's top level: a decode step with its layers unrolled has no loop)."""
   computations = _computations(hlo_text)
   entry = computations.get("ENTRY", [])
-  sources = {}
+  sources = {}  # parameter -> bytes of one layer's slice (the stacks lead with their layers axis)
   for line in entry:
     m = _INSTRUCTION.match(line)
     if m and m.group(3) == "parameter" and _SOURCES.search(m.group(1)):
-      sources[m.group(1)] = m.group(1).lstrip("%")
+      dims = [int(d) for d in filter(None, _ARRAY.search(m.group(2)).group(2).split(","))]
+      sources[m.group(1)] = _bytes(m.group(2)) // max(dims[0] if dims else 1, 1)
   found = []
   for line in entry:
     m = _INSTRUCTION.match(line)
@@ -85,8 +86,9 @@ def copied_slices(hlo_text: str, min_bytes: int = 1 << 20) -> list[Copy]:
     name, shape, op, operands = m.groups()
     if op in _READERS:
       continue
-    read = [sources[o] for o in re.findall(r"%[\w.\-]+", operands) if o in sources]
-    if not read:
+    # A weight or cache slice big enough to matter (a bias beside activations is not a copy of it)
+    read = sorted((sources[o], o) for o in re.findall(r"%[\w.\-]+", operands) if o in sources)
+    if not read or read[-1][0] < min_bytes:
       continue
     kind = op
     if op == "fusion":
@@ -97,5 +99,5 @@ def copied_slices(hlo_text: str, min_bytes: int = 1 << 20) -> list[Copy]:
         continue  # a gemm fusion reading the slice in place, or the cache's in-place update
     size = _bytes(shape)
     if size >= min_bytes:
-      found.append(Copy(name.lstrip("%"), kind, read[0], size))
+      found.append(Copy(name.lstrip("%"), kind, read[-1][1].lstrip("%"), size))
   return found
