@@ -72,3 +72,16 @@ def _real_data_directory(request, monkeypatch):
 def fixture_data_dir() -> pathlib.Path:
   """The project's own small GSM8K / HumanEval files (tests/fixtures/benchmark_data.py writes them)."""
   return FIXTURE_DATA_DIR
+
+
+@pytest.fixture
+def product_compile_settings():
+  """Compile as the product does: this file's suite-wide settings (most optimisations off, fp32 matmuls at
+  'highest') change fusion decisions and the compilers' memory plans. Restored afterwards."""
+  saved = {name: jax.config.values[name] for name in ("jax_disable_most_optimizations",
+                                                        "jax_default_matmul_precision")}
+  jax.config.update("jax_disable_most_optimizations", False)
+  jax.config.update("jax_default_matmul_precision", None)
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)

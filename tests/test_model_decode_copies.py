@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from d2f_jax.api import Model
 from d2f_jax.bench.hlo_copies import copied_slices
@@ -19,18 +20,6 @@ from jaxpr_utils import all_eqns
 from model_utils import random_model
 
 PROMPTS = [[5, 6, 7, 9, 11], [8, 9, 10, 11, 12, 13, 14], [13, 2]]
-
-
-@pytest.fixture
-def product_compile_settings():
-  """The suite compiles with most optimisations off and fp32 matmuls at 'highest'; fusion decisions (and so
-  what a barrier could change) are the product's only with both at their defaults."""
-  saved = {name: jax.config.values[name] for name in ("jax_disable_most_optimizations", "jax_default_matmul_precision")}
-  jax.config.update("jax_disable_most_optimizations", False)
-  jax.config.update("jax_default_matmul_precision", None)
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
 
 
 def _decode(config, method):
@@ -57,7 +46,6 @@ def test_the_decode_barriers_change_no_output_bit(config, dtype, method, product
 
 def test_the_barriers_are_in_cached_forwards_only():
   module = random_model(TINY_DREAM)
-  from flax import nnx
   graphdef, state = nnx.split(module)
   tokens = jnp.zeros((2, 6), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(6), (2, 6))

@@ -49,15 +49,7 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
-def _product_compile_settings():
-  """Compile as the product does: the suite-wide CPU settings of tests/conftest.py (most optimisations off,
-  fp32 matmuls at 'highest') would change the programs and the compilers' memory plans. Restored afterwards,
-  so the CPU suite, which loads this file too, keeps its settings."""
-  import jax
-  saved = {name: jax.config.values[name] for name in ("jax_disable_most_optimizations",
-                                                        "jax_default_matmul_precision")}
-  jax.config.update("jax_disable_most_optimizations", False)
-  jax.config.update("jax_default_matmul_precision", None)
+def _product_compile_settings(product_compile_settings):
+  """Every compile-tier test compiles as the product does (tests/conftest.py's fixture; the CPU suite, which
+  loads this file too, gets its own settings back afterwards)."""
   yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
