@@ -37,8 +37,9 @@ from d2f_jax.sharding import mesh_layout
 
 # Bumped whenever the compiled programs or this accounting change: cached costs of another version are stale.
 # 2: cached forwards unroll their layers and the window kernel reads the stacked cache; 3: cache writes apart;
-# 4: extrapolated from 2 and 3 layers.
-COST_VERSION = 4
+# 4: extrapolated from 2 and 3 layers; 5: decode forwards with q/k/v from separate operands and the cache
+# write after the last cache read (no copied q/k/v or cache slices).
+COST_VERSION = 5
 FIT_LAYERS = (2, 3)  # the depths compiled; cost(L) is the line through them
 
 # Custom-call targets of Pallas kernels, whose cost the compiler cannot see.
