@@ -140,6 +140,23 @@ class TestKernelsGPUInterpret:
                 for v in eqn.invars]
     assert any(shape[:3] == (3, 3, size) for shape in operands), operands
 
+  def test_window_reads_a_traced_layer_of_a_stacked_cache(self):
+    """layer_index, a layer loop's traced counter, reads the same layer as the static layer; the TPU kernel
+    takes the stack whole (scalar-prefetched index), the GPU one gets that layer sliced out."""
+    rng = _rng(self.INTERPRET, "stacked_traced")
+    size = self.STACKED_CACHE_SIZE  # and head_dim 128: the TPU kernel reads the stack without padding D
+    inputs, _ = _window_inputs(rng, HEADS["mha"], "float32", size, lengths=(size, 0, 9))
+    poison = jnp.full_like(inputs["cache_k"], jnp.nan)
+    stacked = dict(inputs, cache_k=jnp.stack([poison, poison, inputs["cache_k"]]),
+                   cache_v=jnp.stack([poison, poison, inputs["cache_v"]]))
+    traced = jax.jit(lambda a, i: self._window(**a, layer_index=i))
+    actual = traced(stacked, jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(actual), np.asarray(self._window(**inputs)))
+    jaxpr = jax.make_jaxpr(lambda a, i: self._window(**a, layer_index=i))(stacked, jnp.int32(2))
+    operands = [tuple(v.aval.shape) for eqn in all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"
+                for v in eqn.invars]
+    assert any(shape[:3] == (3, 3, size) for shape in operands) == (self.INTERPRET == "tpu"), operands
+
   @pytest.mark.parametrize("pattern,heads,dtype", [("block_causal", "gqa7", "float32"),
                                                    ("bidirectional", "mha", "bfloat16"),
                                                    ("causal", "mha", "float32")])
@@ -239,6 +256,10 @@ def test_window_rejects_bad_arguments():
     window_attention(**stacked, layer=2, impl="pallas", interpret="tpu")
   with pytest.raises(ValueError, match=r"stacked \[L, B, S, K, D\] cache: pass layer="):
     window_attention(**stacked, impl="pallas", interpret="tpu")
+  with pytest.raises(ValueError, match=r"pass layer \(a static int\) or layer_index"):
+    window_attention(**stacked, layer=0, layer_index=jnp.int32(0), impl="pallas", interpret="tpu")
+  with pytest.raises(ValueError, match=r"layer_index must have dtype int32"):
+    window_attention(**stacked, layer_index=jnp.float32(0), impl="pallas", interpret="tpu")
 
 
 def test_block_sizes_and_dispatch_are_validated():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from d2f_jax.kernels.common import ATTENTION_IMPLS, PAD_ID, resolve_backend
 from d2f_jax.kernels.flash_attention import flash_attention
-from d2f_jax.kernels.sharded import KV, QUERY, ROWS, STACKED_KV, plan_heads, sharded_kernel_call
+from d2f_jax.kernels.sharded import KV, QUERY, ROWS, SCALAR, STACKED_KV, plan_heads, sharded_kernel_call
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
 from d2f_jax.kernels.reference import attention_reference
 from d2f_jax.sharding.layout import MeshLayout, current_layout
@@ -69,11 +69,12 @@ def attend(q, k, v, q_ids, k_ids, *, impl: str = "auto"):
 
 
 def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len=None, *,
-                  layer: int | None = None, impl: str = "auto"):
+                  layer: int | jax.Array | None = None, impl: str = "auto"):
   """A decoding window against the KV cache plus itself. q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D];
-  cache_k, cache_v: [B, S, K, D], or the stacked [L, B, S, K, D] read at the static `layer` (the kernels
-  read it in place; a slice would be copied for the call); cache_ids: [B, S]; cache_len: [B] (None: derived
-  from cache_ids).
+  cache_k, cache_v: [B, S, K, D], or the stacked [L, B, S, K, D] read at `layer`: a static int (the kernels
+  read it in place; a slice would be copied for the call) or a traced int32 scalar, a layer loop's counter
+  (read in place by the TPU kernel; sliced out, i.e. copied, for the GPU one); cache_ids: [B, S]; cache_len:
+  [B] (None: derived from cache_ids).
 
   "xla" concatenates and runs the reference, exactly as the model always did. The kernels never read
   slots at or past cache_len; outputs of padding queries (id PAD_ID) are unspecified there.
@@ -94,13 +95,17 @@ def attend_window(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, 
   if cache_len is None:
     cache_len = visible_length(cache_ids)
 
-  def kernel(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len):
-    return window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len,
-                            layer=layer, impl="pallas", interpret=interpret, platform=platform)
+  args = (q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len)
+  kinds = (QUERY, KV, KV, ROWS, ROWS) + ((KV, KV) if layer is None else (STACKED_KV, STACKED_KV)) + (ROWS, ROWS)
+  if layer is None or isinstance(layer, int):
+    def kernel(*a):
+      return window_attention(*a, layer=layer, impl="pallas", interpret=interpret, platform=platform)
+  else:  # a traced layer travels into the shard_map as a replicated argument
+    args, kinds = args + (jnp.asarray(layer, jnp.int32),), kinds + (SCALAR,)
 
-  cache_kind = KV if layer is None else STACKED_KV
-  return sharded_kernel_call(kernel, layout, (q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len),
-                             (QUERY, KV, KV, ROWS, ROWS, cache_kind, cache_kind, ROWS, ROWS))
+    def kernel(*a):
+      return window_attention(*a[:-1], layer_index=a[-1], impl="pallas", interpret=interpret, platform=platform)
+  return sharded_kernel_call(kernel, layout, args, kinds)
 
 
 def _reads_stack_in_place(layout: MeshLayout | None, q, k_win) -> bool:

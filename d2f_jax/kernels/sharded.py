@@ -32,6 +32,7 @@ QUERY = "query"  # [B, T, H, D]: batch, -, query heads, -
 KV = "kv"  # [B, S, K, D]: batch, -, kv heads, -
 ROWS = "rows"  # [B, ...]: batch only (ids, lengths)
 STACKED_KV = "stacked_kv"  # [L, B, S, K, D]: the whole stacked cache, one layer of it read (kv_split only)
+SCALAR = "scalar"  # []: the same on every shard (a layer loop's counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,8 @@ def sharded_kernel_call(kernel: Callable, layout: MeshLayout | None, args: Seque
       return P(None, rows, None, kv_heads, None)
     if kind == ROWS:
       return P(rows, *([None] * (ndim - 1)))
+    if kind == SCALAR:
+      return P()
     raise ValueError(f"unknown kernel argument kind {kind!r}")
 
   def per_shard(*local):

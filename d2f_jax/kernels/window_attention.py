@@ -3,8 +3,9 @@ the window's own keys, under the id rule (block-causal inside the window), with 
 
 The cache is static-size [B, S, K, D] with slots [0, cache_len[b]) written. The kernels never read past
 `cache_len`, which is what makes decoding with a large, mostly empty cache cheap. The cache may also be the
-model's whole stacked cache [L, B, S, K, D] with a static `layer`: the kernels then read that layer in place,
-where slicing it first would copy the layer's cache (a Pallas call takes only whole buffers) on every call.
+model's whole stacked cache [L, B, S, K, D] with a static `layer` (or, on TPU, a traced `layer_index`): the
+kernels then read that layer in place, where slicing it first would copy the layer's cache (a Pallas call
+takes only whole buffers) on every call.
 
 Contract (also what the reference computes): key visible to query i iff its id <= q_ids[i], and, for a
 cache slot, slot < cache_len. Queries whose id is PAD_ID are padding: the reference lets them see every
@@ -37,7 +38,7 @@ def window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v
   return attention_reference(q, k, v, q_ids, ids, scale=scale)
 
 
-def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer):
+def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer, layer_index):
   if getattr(q, "ndim", None) != 4:
     raise ValueError(f"q must have shape [B, Tw, H, D], got {list(getattr(q, 'shape', ()))}")
   batch, window, num_heads, head_dim = q.shape
@@ -49,15 +50,22 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
   check_array("v_win", v_win, (batch, window, num_kv_heads, head_dim))
   check_array("q_ids", q_ids, (batch, window), jnp.int32)
   check_array("win_ids", win_ids, (batch, window), jnp.int32)
-  if layer is None:
+  if layer is not None and layer_index is not None:
+    raise ValueError("pass layer (a static int) or layer_index (a traced int32 scalar), not both")
+  if layer is None and layer_index is None:
     if getattr(cache_k, "ndim", None) == 5:
       raise ValueError(f"cache_k of shape {list(cache_k.shape)} is a stacked [L, B, S, K, D] cache: pass layer= "
                        "to read one of its layers")
     lead = ()
   else:
-    if not isinstance(layer, int) or not 0 <= layer < getattr(cache_k, "shape", (0,))[0]:
+    if layer_index is not None:
+      check_array("layer_index", layer_index, (), jnp.int32)
+    elif not isinstance(layer, int) or not 0 <= layer < getattr(cache_k, "shape", (0,))[0]:
       raise ValueError(f"layer must be an int indexing cache_k's leading [L] axis, got {layer!r} for cache_k "
                        f"of shape {list(getattr(cache_k, 'shape', ()))}")
+    if getattr(cache_k, "ndim", None) != 5:
+      raise ValueError(f"a layer is read from a stacked [L, B, S, K, D] cache; cache_k has shape "
+                       f"{list(getattr(cache_k, 'shape', ()))}")
     lead = (cache_k.shape[0],)
   check_array("cache_k", cache_k, (*lead, batch, None, num_kv_heads, head_dim))
   cache_size = cache_k.shape[-3]
@@ -71,12 +79,15 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
 
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "impl", "interpret", "block_sizes", "platform"))
 def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, *,
-                     layer: int | None = None, scale: float | None = None, impl: str = "auto", interpret=False,
+                     layer: int | None = None, layer_index: jax.Array | None = None, scale: float | None = None,
+                     impl: str = "auto", interpret=False,
                      block_sizes: BlockSizes | None = None, platform: str | None = None):
   """Attention of a decoding window to the KV cache and to itself.
 
   q: [B, Tw, H, D]; k_win, v_win: [B, Tw, K, D] the window's keys; q_ids, win_ids: [B, Tw] int32 (usually
-  the same array); cache_k, cache_v: [B, S, K, D], or [L, B, S, K, D] read at `layer` (a static int);
+  the same array); cache_k, cache_v: [B, S, K, D], or [L, B, S, K, D] read at `layer` (a static int) or
+  `layer_index` (a traced int32 scalar: a layer loop's counter; the TPU kernel reads it in place, the GPU
+  kernel's index maps need a static layer, so there the layer is sliced out: a copy);
   cache_ids: [B, S] int32; cache_len: [B] int32.
   impl: "auto" (Pallas on GPU/TPU, reference on CPU) | "xla" | "pallas"; interpret: False | "gpu" | "tpu";
   platform: the device platform to dispatch for (default: the default backend's).
@@ -84,10 +95,11 @@ def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_id
 
   For speed choose S a multiple of block_k (the cache is otherwise padded, i.e. copied, on every call).
   """
-  _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer)
+  _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, cache_len, layer, layer_index)
   backend = resolve_backend(impl, interpret, platform)
-  if layer is not None and backend == "xla":
-    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+  stacked = layer if layer is not None else layer_index  # the layer to read, or None for an unstacked cache
+  if stacked is not None and (backend == "xla" or (backend == "gpu" and layer is None)):
+    cache_k, cache_v, stacked = cache_k[stacked], cache_v[stacked], None
   if backend == "xla":
     return window_attention_reference(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids,
                                       cache_len, scale=scale)
@@ -117,9 +129,9 @@ def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_id
 
   block_k = fit_block(sizes.block_k, cache_size, backend, "k")
   padded_cache = round_up(cache_size, block_k)
-  if layer is not None and (padded_cache != cache_size or (backend == "tpu" and head_dim % 128)):
+  if stacked is not None and (padded_cache != cache_size or (backend == "tpu" and head_dim % 128)):
     # The cache must be padded (S or, on TPU, D): copy this layer alone rather than the whole stack.
-    cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+    cache_k, cache_v, stacked = cache_k[stacked], cache_v[stacked], None
   cache_k = pad_axis(cache_k, cache_k.ndim - 3, padded_cache)
   cache_v = pad_axis(cache_v, cache_v.ndim - 3, padded_cache)
   cache_ids = pad_axis(cache_ids, 1, padded_cache, PAD_ID)
@@ -128,6 +140,6 @@ def window_attention(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_id
   lowering = window_attention_gpu if backend == "gpu" else window_attention_tpu
   out = lowering(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v, cache_ids, cache_len, scale=scale,
                  block_q=block_q, block_k=block_k, interpret=interpret, precision=matmul_precision(q.dtype),
-                 layer=layer)
+                 layer=stacked)
   out = out[:, :, :num_rows].reshape(batch, num_kv_heads, window, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, window, num_heads, head_dim)
