@@ -92,3 +92,42 @@ def test_a_full_disk_during_a_save_is_one_error_naming_path_and_errno(tmp_path, 
   assert "1.orbax-checkpoint-tmp" in lines[0], lines  # the path that could not be written
   assert not [p for p in os.listdir(workdir / "checkpoints") if "orbax-checkpoint-tmp" in p]
   assert not os.path.exists(workdir / ".d2f_jax.lock")
+
+
+def test_a_checkpoint_in_the_old_attention_layout_resumes_reshaped(saved, tmp_path, caplog):
+  """A training checkpoint written before heads were packed with head_dim (q / k / v LoRA b [L, r, heads, D],
+  o's a [L, H, D, r], and their Adam moments) resumes: its arrays reshaped, every byte as in today's layout."""
+  from d2f_jax.train.checkpoint import Checkpointer
+  from d2f_jax.train.state import TrainState
+  workdir, target, data_state, reference = saved
+  work = shutil.copytree(workdir, tmp_path / "work")
+  shutil.rmtree(work / "checkpoints")
+  from d2f_jax.models import preset
+  config = tiny_config()
+  heads, head_dim = preset(config.model.preset).num_heads, preset(config.model.preset).head_dim
+  state = Checkpointer(os.path.join(workdir, "checkpoints"), every=2, keep=4).restore(4, target)[0]
+  old_shapes = []
+
+  def unpack(path, x):
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    if name.endswith(("q_lora_b", "k_lora_b", "v_lora_b")):
+      x = x.reshape(*x.shape[:2], -1, head_dim)
+    elif name.endswith("o_lora_a"):
+      x = x.reshape(x.shape[0], heads, head_dim, x.shape[-1])
+    else:
+      return x
+    old_shapes.append(x.shape)
+    return x
+  old = jax.tree_util.tree_map_with_path(unpack, state.to_dict())
+  assert len(old_shapes) >= 4 * 3, old_shapes  # the four adapted projections, with both Adam moments
+  writer = Checkpointer(str(work / "checkpoints"), every=1, keep=4, async_save=False)
+  writer.save(4, TrainState.from_dict(old), data_state, force=True)
+  writer.wait()
+  writer.close()
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    trainer = Trainer(config, str(work))
+  assert trainer.step == 4, caplog.text
+  assert "written before attention heads were packed with head_dim" in caplog.text
+  assert _leaves(trainer.state) == reference[4]
+  trainer.close()

@@ -39,7 +39,8 @@ def raw_tensors(hf_dir) -> dict[str, np.ndarray]:
 
 
 def expected_params(family: str, cfg, raw: dict) -> dict:
-  """Our layout from HF tensors, written out by hand: Linear [out, in] -> [in, out] then split heads."""
+  """Our layout from HF tensors, written out by hand: Linear [out, in] -> [in, out] (heads stay packed with
+  head_dim on one axis); biases split into heads."""
   E, H, K, D = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   if family == "llada":
     p = "model.transformer.blocks.{}."
@@ -55,8 +56,7 @@ def expected_params(family: str, cfg, raw: dict) -> dict:
   w = lambda i, key, kind="weight": raw[p.format(i) + names[key] + "." + kind]  # noqa: E731
   per_layer = {
       "attn_norm": lambda i: w(i, "attn_norm"), "mlp_norm": lambda i: w(i, "mlp_norm"),
-      "q": lambda i: w(i, "q").T.reshape(E, H, D), "k": lambda i: w(i, "k").T.reshape(E, K, D),
-      "v": lambda i: w(i, "v").T.reshape(E, K, D), "o": lambda i: w(i, "o").T.reshape(H, D, E),
+      "q": lambda i: w(i, "q").T, "k": lambda i: w(i, "k").T, "v": lambda i: w(i, "v").T, "o": lambda i: w(i, "o").T,
       "gate": lambda i: w(i, "gate").T, "up": lambda i: w(i, "up").T, "down": lambda i: w(i, "down").T,
   }
   if cfg.qkv_bias:
@@ -193,6 +193,67 @@ def test_restore_converted_numpy_dtype_and_sharded_target(ckpt, tmp_path):
   leaves = jax.tree.leaves(on_mesh)
   assert all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves)
   assert_trees_equal(jax.tree.map(np.asarray, on_mesh), params)
+
+
+def _as_version_1(conv, old):
+  """A copy of converted directory `conv` as format version 1 wrote it: q / k / v [L, E, heads, D], o [L, H, D, E]
+  and LoRA b of q / k / v [L, r, heads, D], a of o [L, H, D, r] (written here by hand, not by the converter)."""
+  from d2f_jax.convert import checkpoint
+  meta = json.loads((conv / "d2f_model.json").read_text())
+  cfg = meta["config"]
+  H, K, D = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+  heads = {"q": H, "k": K, "v": K}
+  shutil.copytree(conv, old)
+  for part in ("params", "lora"):
+    if not (conv / part).exists():
+      continue
+    saved = {leaf: shape for leaf, (shape, _) in checkpoint.tree_metadata(str(conv / part)).items()}
+    tree = checkpoint.restore_tree(str(conv / part), saved)
+    layers = tree["layers"]
+    for name, x in list(layers.items()):
+      target, _, ab = name.partition("_lora_")
+      if target in heads and ab in ("", "b"):
+        layers[name] = x.reshape(*x.shape[:2], heads[target], D)
+      elif target == "o" and ab in ("", "a"):
+        layers[name] = x.reshape(x.shape[0], H, D, x.shape[-1])
+    shutil.rmtree(old / part)
+    checkpoint.save_tree(str(old / part), tree)
+  meta["version"] = 1
+  (old / "d2f_model.json").write_text(json.dumps(meta))
+
+
+def test_a_version_1_directory_reads_and_exports_in_todays_layout(ckpt, tmp_path):
+  """Converted directories written before heads were packed with head_dim are reshaped on restore: the same
+  parameters (numpy and onto a mesh), the same exported HF tensors and PEFT adapter, bit for bit."""
+  hf_dir = ckpt("dream", "float32", 1)  # Dream: q / k / v biases too, and GQA (k, v narrower than q)
+  adapter = synthetic.write_peft_adapter(tmp_path / "adapter", TINY_DREAM,
+                                         LoraConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "up")), seed=5)
+  conv, old = tmp_path / "conv", tmp_path / "old"
+  convert.convert_hf_dir(hf_dir, conv, lora_dir=adapter, progress=False)
+  assert json.loads((conv / "d2f_model.json").read_text())["version"] == 2
+  _as_version_1(conv, old)
+  from d2f_jax.convert.checkpoint import tree_metadata
+  c = TINY_DREAM
+  assert tree_metadata(str(old / "params"))["layers/o"][0] == (c.num_layers, c.num_heads, c.head_dim, c.embed_dim)
+  cfg_new, new, lora_cfg, lora_new = convert.restore_converted(conv)
+  cfg_old, got, lora_cfg_old, lora_got = convert.restore_converted(old)
+  assert (cfg_old, lora_cfg_old) == (cfg_new, lora_cfg)
+  assert_trees_equal(got, new)
+  assert_trees_equal(lora_got, lora_new)
+  sharding = jax.sharding.NamedSharding(jax.make_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, BF16, sharding=sharding), {**new, "layers": {
+      **new["layers"], **lora_new["layers"]}})
+  _, on_mesh, _, lora_on_mesh = convert.restore_converted(old, target=target)
+  assert all(x.sharding == sharding for x in jax.tree.leaves(on_mesh) + jax.tree.leaves(lora_on_mesh))
+  assert_trees_equal(jax.tree.map(np.asarray, on_mesh), jax.tree.map(lambda x: x.astype(BF16), new))
+  assert_trees_equal(jax.tree.map(np.asarray, lora_on_mesh), jax.tree.map(lambda x: x.astype(BF16), lora_new))
+  convert.export_converted(old, tmp_path / "back", lora_out=tmp_path / "adapter_back")
+  original, exported = raw_tensors(hf_dir), raw_tensors(tmp_path / "back")
+  assert sorted(original) == sorted(exported)
+  for name in original:
+    assert_same_bits(exported[name], original[name], name)
+  a, b = raw_tensors(adapter), raw_tensors(tmp_path / "adapter_back")
+  assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
 
 
 def test_converted_dir_keeps_tokenizer_loadable(ckpt, tmp_path):

@@ -185,7 +185,7 @@ def test_cache_weights_and_rows_are_really_split(runs):
   layouts = runs["layouts"]
   assert layouts["cache_k"] == [None, "data", None, "tensor", None]  # [L, B, S, K, D]
   assert layouts["tokens"] == ["data", None] and layouts["rows"] == 4  # 3 rows padded to 4
-  assert layouts["q"] == [None, None, "tensor", None]  # [L, E, H, D]
+  assert layouts["q"] == [None, None, "tensor"]  # [L, E, H*D], whole heads over tensor
   assert layouts["embedding"] == ["tensor", None]  # vocab over tensor
   # Dream's 2 kv heads do not divide tensor 8: the cache stays whole across it (not an error).
   assert layouts["dream_t8_cache_k"] == [None] * 5
@@ -198,5 +198,5 @@ def test_decode_program_compiles_ahead_of_time_and_matches(runs):
 
 def test_load_model_onto_a_mesh(runs):
   assert runs["load"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
-  assert runs["load"]["q"] == [None, None, "tensor", None]
+  assert runs["load"]["q"] == [None, None, "tensor"]
   assert runs["load"]["diff"] == []

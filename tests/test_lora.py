@@ -49,10 +49,8 @@ def peft_ab(family, adapter, target, layer):
 
 
 def to_ours(target, cfg, w):
-  """A [out, in] HF weight (or delta) in our layout."""
-  E, H, K, D = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  shape = {"q": (E, H, D), "k": (E, K, D), "v": (E, K, D), "o": (H, D, E)}.get(target)
-  return w.T.reshape(shape) if shape else w.T
+  """A [out, in] HF weight (or delta) in our [in, out] layout (heads packed with head_dim)."""
+  return w.T
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +78,11 @@ def test_adapter_layout_matches_manual_math(dirs, family):
   assert got_lora == lora
   adapter = raw(adapter_dir)
   assert len(adapter) == 2 * len(ALL) * config.num_layers
-  H, D, r = config.num_heads, config.head_dim, lora.rank
   for layer in range(config.num_layers):
     for t in ALL:
       A, B = peft_ab(family, adapter, t, layer)
       a, b = params["layers"][f"{t}_lora_a"][layer], params["layers"][f"{t}_lora_b"][layer]
-      if t == "o":
-        want_a, want_b = A.T.reshape(H, D, r), B.T
-      elif t in ("q", "k", "v"):
-        want_a, want_b = A.T, B.T.reshape(r, -1, D)
-      else:
-        want_a, want_b = A.T, B.T
+      want_a, want_b = A.T, B.T  # [in, r], [r, out]: every projection, o included, is one matrix
       np.testing.assert_array_equal(a, want_a)
       np.testing.assert_array_equal(b, want_b)
       # our update x @ a @ b equals PEFT's x @ A.T @ B.T

@@ -30,7 +30,7 @@ def test_converted_exported_and_adapter_directories_carry_cards(tmp_path):
   card = (tmp_path / "converted" / "README.md").read_text()
   assert _front_matter(card) == {"library_name": "d2f_jax", "base_model": str(hf),
                                  "tags": ["d2f", "dream", "orbax"]}
-  assert "| `params/layers/q` | [2, 64, 8, 16] |" in card and "| `params/embedding` | [512, 64] |" in card
+  assert "| `params/layers/q` | [2, 64, 128] |" in card and "| `params/embedding` | [512, 64] |" in card
   assert "No LoRA adapter" in card
 
   exported = convert.export_converted(converted, tmp_path / "hf_again", progress=False)["hf"]

@@ -38,6 +38,21 @@ def test_rules_skip_axes_that_do_not_divide_or_repeat():
     sharding.logical_spec(("embed",), (("embed", "model"),), MESH)
 
 
+
+def test_packed_heads_shard_in_whole_heads_only():
+  """q stored [E, H*D] ('heads:D'): split by the heads rule only where every shard holds whole heads. Dream-7B's
+  28 heads of 128 on tensor 8: 3584 divides by 8, 28 does not, so q stays replicated over tensor (as [E, H, D]
+  did); on tensor 4 (7 heads a shard) it splits."""
+  packed = sharding.packed_axis("heads", 128)
+  assert packed == "heads:128"
+  tensor8 = AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor"))
+  tensor4 = AbstractMesh((1, 1, 4), ("data", "fsdp", "tensor"))
+  assert sharding.logical_spec(("embed", packed), DEFAULT_RULES, tensor8, (3584, 28 * 128)) == P(None, None)
+  assert sharding.logical_spec(("embed", packed), DEFAULT_RULES, tensor4, (3584, 28 * 128)) == P(None, "tensor")
+  assert sharding.logical_spec((packed, "embed"), DEFAULT_RULES, MESH, (32 * 128, 4096)) == P("tensor", "fsdp")
+  with pytest.raises(ValueError, match=r"'heads:128' packs units of 128, but the dimension has size 100"):
+    sharding.logical_spec(("embed", packed), DEFAULT_RULES, MESH, (64, 100))
+
 def test_mesh_sizes_are_checked():
   with pytest.raises(ValueError, match="needs 8 devices"):
     sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
@@ -135,5 +150,5 @@ def test_2x2x2_mesh_matches_one_device():
     # Adam divides each gradient entry by its own scale, so rounding in near-zero entries is amplified.
     assert r["param_rel"] < 1e-4, (name, r["param_rel"])
   # Weights really are split: embed over fsdp, heads over tensor; Adam moments follow their parameters.
-  assert out["full"]["layouts"]["frozen_q"] == str(P(None, "fsdp", "tensor", None))
+  assert out["full"]["layouts"]["frozen_q"] == str(P(None, "fsdp", "tensor"))  # [L, E, H*D]: whole heads
   assert out["full"]["layouts"]["trainable_first"] == out["full"]["layouts"]["adam_mu_first"] != str(P())

@@ -36,7 +36,30 @@ from d2f_jax.models.config import LoraConfig, ModelConfig
 
 META_FILE = "d2f_model.json"
 FORMAT = "d2f_jax.converted"
-VERSION = 1
+# 2: every projection one [in, out] matrix per layer, heads packed with head_dim (q [L, E, H*D], o [L, H*D, E]).
+# 1: q / k / v [L, E, heads, D] and o [L, H, D, E] (LoRA: q / k / v b [L, r, heads, D], o a [L, H, D, r]). The
+# bytes are the same in C order, so a version-1 directory is read by restoring its arrays as saved and
+# reshaping them (`_packed`); converting or saving again writes version 2.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_HEADS_OUT = ("layers/q", "layers/k", "layers/v", "layers/q_lora_b", "layers/k_lora_b", "layers/v_lora_b")
+_HEADS_IN = ("layers/o", "layers/o_lora_a")
+
+
+def packed_shape(leaf: str, shape) -> tuple[int, ...]:
+  """The version-2 shape of a version-1 array at `leaf` ('layers/q', or any path ending so, e.g. a training
+  state's 'params/layers/q_lora_b'); other shapes unchanged."""
+  shape = tuple(shape)
+  if len(shape) == 4 and any(leaf == n or leaf.endswith("/" + n) for n in _HEADS_OUT):
+    return (*shape[:2], shape[2] * shape[3])
+  if len(shape) == 4 and any(leaf == n or leaf.endswith("/" + n) for n in _HEADS_IN):
+    return (shape[0], shape[1] * shape[2], shape[3])
+  return shape
+
+
+def _packed(leaf: str, array):
+  """A version-1 array in the version-2 layout (a reshape: no byte moves)."""
+  return array.reshape(packed_shape(leaf, array.shape))
 
 
 def is_converted_dir(path) -> bool:
@@ -61,12 +84,21 @@ def save_tree(path: str, tree: dict) -> None:
     checkpointer.close()
 
 
-def restore_tree(path: str, shapes: dict[str, tuple], *, dtype=None, target: dict | None = None) -> dict:
+def restore_tree(path: str, shapes: dict[str, tuple], *, dtype=None, target: dict | None = None,
+                 version: int = VERSION) -> dict:
   """Restore an orbax tree: as numpy arrays (optionally cast to `dtype`), or, given `target` (a tree of
-  jax.ShapeDtypeStruct with shardings), straight into jax arrays laid out on those devices."""
+  jax.ShapeDtypeStruct with shardings), straight into jax arrays laid out on those devices. A tree written in
+  format `version` 1 is restored as saved, reshaped to today's layout, then placed on the target's devices."""
   checkpointer = _checkpointer()
   try:
-    return _restore(checkpointer, path, shapes, dtype, target)
+    if version != 1:
+      return _restore(checkpointer, path, shapes, dtype, target)
+    restored = mapping.flatten(_restore(checkpointer, path, shapes, dtype, None))
+    flat = {leaf: _packed(leaf, x) for leaf, x in restored.items()}
+    if target is not None:
+      want = mapping.flatten(target)
+      flat = {leaf: jax.device_put(x.astype(want[leaf].dtype), want[leaf].sharding) for leaf, x in flat.items()}
+    return mapping.unflatten(flat)
   except (ConvertError, TypeError):  # TypeError: a caller's bug, not the files'
     raise
   except Exception as e:  # orbax / tensorstore errors of a damaged directory
@@ -115,16 +147,18 @@ def tree_metadata(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 class LeafLoader:
   """`loader('layers/q')` restores one parameter of an orbax tree; `loader.dtypes` comes from metadata.
-  What export_hf takes to stream a converted model one parameter at a time."""
+  What export_hf takes to stream a converted model one parameter at a time (a format-`version` 1 tree's
+  arrays reshaped to today's layout)."""
 
-  def __init__(self, path: str, dtype=None):
-    self.path, self.dtype = path, dtype
+  def __init__(self, path: str, dtype=None, version: int = VERSION):
+    self.path, self.dtype, self.version = path, dtype, version
     self.dtypes = {p: (as_numpy_dtype(dtype) if dtype is not None else d) for p, (_, d) in tree_metadata(path).items()}
 
   def __call__(self, leaf: str) -> np.ndarray:
     if leaf not in self.dtypes:
       raise KeyError(f"{self.path}: no parameter {leaf!r}; has {sorted(self.dtypes)}")
-    return restore_leaf(self.path, leaf, self.dtype)
+    array = restore_leaf(self.path, leaf, self.dtype)
+    return _packed(leaf, array) if self.version == 1 else array
 
 
 def save_converted(out_dir, config: ModelConfig, params: dict, *, lora_cfg: LoraConfig | None = None,
@@ -160,9 +194,9 @@ def read_converted_meta(path) -> tuple[ModelConfig, LoraConfig | None, dict]:
   if not os.path.isfile(meta_path):
     raise FileNotFoundError(f"{path!r} is not a converted model directory (no {META_FILE})")
   meta = read_json_object(meta_path)
-  if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+  if meta.get("format") != FORMAT or meta.get("version") not in READABLE_VERSIONS:
     raise ConfigError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                      f"{FORMAT!r} version {VERSION}")
+                      f"{FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}")
   config = model_config_from_dict(meta.get("config"), meta_path, "config")
   lora = lora_config_from_dict(meta["lora"], meta_path, "lora") if meta.get("lora") is not None else None
   if meta.get("hf_config") is not None:
@@ -205,7 +239,8 @@ def restore_converted(path, dtype=None, *, target: Any = None, allow_nonfinite: 
 
 
 def _restore_converted(path: str, dtype, target):
-  config, lora_cfg, _ = read_converted_meta(path)
+  config, lora_cfg, meta = read_converted_meta(path)
+  version = meta["version"]
   base_shapes = mapping.param_shapes(config)
   lora_shapes = mapping.lora_shapes(config, lora_cfg) if lora_cfg else {}
   has_lora_dir = os.path.isdir(os.path.join(path, "lora"))
@@ -213,15 +248,15 @@ def _restore_converted(path: str, dtype, target):
     base_target, lora_target = split_lora(_abstract_tree(target))
     if not lora_target["layers"]:
       lora_target = None
-    params = restore_tree(os.path.join(path, "params"), base_shapes, target=base_target)
+    params = restore_tree(os.path.join(path, "params"), base_shapes, target=base_target, version=version)
     lora_params = None
     if lora_cfg is not None and has_lora_dir:
-      lora_params = restore_tree(os.path.join(path, "lora"), lora_shapes, target=lora_target) if lora_target \
-          else restore_tree(os.path.join(path, "lora"), lora_shapes)
+      lora_params = restore_tree(os.path.join(path, "lora"), lora_shapes, target=lora_target, version=version)
     name = np.dtype(base_target["embedding"].dtype).name
     return config.replace(dtype=name, param_dtype=name), params, lora_cfg, lora_params
-  params = restore_tree(os.path.join(path, "params"), base_shapes, dtype=dtype)
-  lora_params = restore_tree(os.path.join(path, "lora"), lora_shapes) if lora_cfg and has_lora_dir else None
+  params = restore_tree(os.path.join(path, "params"), base_shapes, dtype=dtype, version=version)
+  lora_params = (restore_tree(os.path.join(path, "lora"), lora_shapes, version=version)
+                 if lora_cfg and has_lora_dir else None)
   if dtype is not None:
     name = as_numpy_dtype(dtype).name
     config = config.replace(dtype=name, param_dtype=name)

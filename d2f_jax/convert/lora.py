@@ -1,8 +1,8 @@
 """PEFT LoRA adapters <-> our LoRA parameters; merging them into base weights.
 
 PEFT stores, per adapted Linear, `base_model.model.<module>.lora_A.weight` [r, in] and `lora_B.weight`
-[out, r] and computes y += scale * x @ A.T @ B.T. Ours are a = A.T [L, in..., r] and b = B.T [L, r, out...]
-(q: b [L, r, H, D]; o: a [L, H, D, r]), so the update is scale * x @ a @ b and W' = W + scale * a @ b in our
+[out, r] and computes y += scale * x @ A.T @ B.T. Ours are a = A.T [L, in, r] and b = B.T [L, r, out]
+(q: b [L, r, H*D]; o: a [L, H*D, r]), so the update is scale * x @ a @ b and W' = W + scale * a @ b in our
 [in, out] layout, exactly PEFT's W + scale * B @ A transposed.
 """
 
@@ -29,8 +29,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_BASE_NAMES = {"llada": "GSAI-ML/LLaDA-8B-Instruct", "dream": "Dream-org/Dream-v0-Base-7B"}
 
-# W' = W + scale * a @ b per layer, in our layout (named letters: e embed, f mlp, h heads, d head dim, r rank).
-MERGE_EINSUM = {"q": "er,rhd->ehd", "k": "er,rhd->ehd", "v": "er,rhd->ehd", "o": "hdr,re->hde",
+# W' = W + scale * a @ b per layer, in our layout (named letters: e embed, f mlp, q heads * head dim, r rank).
+MERGE_EINSUM = {"q": "er,rq->eq", "k": "er,rq->eq", "v": "er,rq->eq", "o": "qr,re->qe",
                 "gate": "er,rf->ef", "up": "er,rf->ef", "down": "fr,re->fe"}
 
 _LORA_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")

@@ -3,8 +3,8 @@
 One table per family; each row is (HF tensor name with `{i}` for the layer, our parameter path, transform).
 A transform is a *view*: `hf_view(ours)` shows a (per-layer slice of a) parameter of ours in the HF layout,
 so import writes through the view and export copies out of it; the two directions cannot disagree.
-Our layout (see models/transformer.py): q [E,H,D], o [H,D,E], gate/up [E,F], down [F,E], lm_head [E,V];
-HF Linear weights are [out, in].
+Our layout (see models/transformer.py): every projection [in, out], heads packed with head_dim (q [E,H*D],
+k/v [E,K*D], o [H*D,E]), gate/up [E,F], down [F,E], lm_head [E,V]; HF Linear weights are [out, in].
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from d2f_jax.models import PROJECTIONS, proj_shape
 from d2f_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 
 
@@ -46,8 +47,7 @@ class Transform:
 
 IDENTITY = Transform("identity")
 FLATTEN = Transform("flatten")
-LINEAR = Transform("linear", n_in=1)  # ours [in, out...] e.g. q [E, H, D], gate [E, F]
-LINEAR_HEADS_IN = Transform("linear", n_in=2)  # ours [H, D, out]: the attention output projection
+LINEAR = Transform("linear", n_in=1)  # ours [in, out] e.g. q [E, H*D], gate [E, F]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ LLADA = FamilyTable("llada", (
     Row(_B + "q_proj.bias", "layers/q_bias", FLATTEN, when="qkv_bias"),
     Row(_B + "k_proj.bias", "layers/k_bias", FLATTEN, when="qkv_bias"),
     Row(_B + "v_proj.bias", "layers/v_bias", FLATTEN, when="qkv_bias"),
-    Row(_B + "attn_out.weight", "layers/o", LINEAR_HEADS_IN),
+    Row(_B + "attn_out.weight", "layers/o", LINEAR),
     Row(_B + "ff_norm.weight", "layers/mlp_norm", IDENTITY),
     Row(_B + "ff_proj.weight", "layers/gate", LINEAR),  # the silu branch
     Row(_B + "up_proj.weight", "layers/up", LINEAR),
@@ -116,7 +116,7 @@ DREAM = FamilyTable("dream", (
     Row(_L + "self_attn.q_proj.bias", "layers/q_bias", FLATTEN, when="qkv_bias"),
     Row(_L + "self_attn.k_proj.bias", "layers/k_bias", FLATTEN, when="qkv_bias"),
     Row(_L + "self_attn.v_proj.bias", "layers/v_bias", FLATTEN, when="qkv_bias"),
-    Row(_L + "self_attn.o_proj.weight", "layers/o", LINEAR_HEADS_IN),
+    Row(_L + "self_attn.o_proj.weight", "layers/o", LINEAR),
     Row(_L + "post_attention_layernorm.weight", "layers/mlp_norm", IDENTITY),
     Row(_L + "mlp.gate_proj.weight", "layers/gate", LINEAR),
     Row(_L + "mlp.up_proj.weight", "layers/up", LINEAR),
@@ -141,15 +141,10 @@ def table_for(family: str) -> FamilyTable:
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   """Shape of every parameter of ours, by '/'-path (the Transformer's nnx.Param layout)."""
-  L, E, H, K, D, F, V = (config.num_layers, config.embed_dim, config.num_heads, config.num_kv_heads,
-                         config.head_dim, config.mlp_dim, config.vocab_size)
-  shapes = {
-      "embedding": (V, E),
-      "layers/attn_norm": (L, E), "layers/q": (L, E, H, D), "layers/k": (L, E, K, D), "layers/v": (L, E, K, D),
-      "layers/o": (L, H, D, E), "layers/mlp_norm": (L, E),
-      "layers/gate": (L, E, F), "layers/up": (L, E, F), "layers/down": (L, F, E),
-      "final_norm": (E,),
-  }
+  L, E, H, K, D, V = (config.num_layers, config.embed_dim, config.num_heads, config.num_kv_heads,
+                      config.head_dim, config.vocab_size)
+  shapes = {"embedding": (V, E), "layers/attn_norm": (L, E), "layers/mlp_norm": (L, E), "final_norm": (E,)}
+  shapes.update({f"layers/{name}": (L, *proj_shape(name, config)) for name in PROJECTIONS})
   if config.qkv_bias:
     shapes.update({"layers/q_bias": (L, H, D), "layers/k_bias": (L, K, D), "layers/v_bias": (L, K, D)})
   if not config.tie_embeddings:
@@ -158,22 +153,21 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def lora_shapes(config: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
-  """Shapes of the LoRA parameters ('layers/{t}_lora_a' [L, in..., r], 'layers/{t}_lora_b' [L, r, out...])."""
+  """Shapes of the LoRA parameters ('layers/{t}_lora_a' [L, in, r], 'layers/{t}_lora_b' [L, r, out])."""
   base = param_shapes(config)
   shapes = {}
   for t in lora.targets:
-    n_in = 2 if t == "o" else 1
-    full = base[f"layers/{t}"]
-    shapes[f"layers/{t}_lora_a"] = full[:1 + n_in] + (lora.rank,)
-    shapes[f"layers/{t}_lora_b"] = (full[0], lora.rank) + full[1 + n_in:]
+    layers, fan_in, fan_out = base[f"layers/{t}"]
+    shapes[f"layers/{t}_lora_a"] = (layers, fan_in, lora.rank)
+    shapes[f"layers/{t}_lora_b"] = (layers, lora.rank, fan_out)
   return shapes
 
 
 def lora_transforms(target: str) -> tuple[Transform, Transform]:
-  """(A transform, B transform): PEFT A [r, in] <-> ours a [in..., r]; B [out, r] <-> ours b [r, out...]."""
+  """(A transform, B transform): PEFT A [r, in] <-> ours a [in, r]; B [out, r] <-> ours b [r, out]."""
   if target not in LORA_TARGETS:
     raise ValueError(f"unknown LoRA target {target!r}; known: {LORA_TARGETS}")
-  return (LINEAR_HEADS_IN if target == "o" else LINEAR), LINEAR
+  return LINEAR, LINEAR
 
 
 @dataclasses.dataclass(frozen=True)

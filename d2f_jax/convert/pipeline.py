@@ -74,13 +74,14 @@ def export_converted(converted_dir, out_dir=None, *, lora_out=None, dtype=None,
     check_apart(lora_out, {"--out": out_dir}, "--export_lora")
   written = {}
   if out_dir is not None:  # streamed: one stacked parameter in memory at a time
-    loader = LeafLoader(os.path.join(converted_dir, "params"))
+    loader = LeafLoader(os.path.join(converted_dir, "params"), version=meta["version"])
     written["hf"] = export_hf(out_dir, config, loader, hf_config_json=meta.get("hf_config"),
                               max_shard_bytes=max_shard_bytes, dtype=dtype, aux_dir=converted_dir,
                               overwrite=overwrite, progress=progress,
                               base_model=(meta.get("source") or {}).get("hf_dir"))
   if lora_out is not None:
-    lora_params = restore_tree(os.path.join(converted_dir, "lora"), lora_shapes(config, lora_cfg))
+    lora_params = restore_tree(os.path.join(converted_dir, "lora"), lora_shapes(config, lora_cfg),
+                               version=meta["version"])
     base_name = (meta.get("source") or {}).get("lora_base_model_name_or_path")
     written["lora"] = export_peft_adapter(lora_out, config, lora_cfg, lora_params, base_model_name_or_path=base_name,
                                           overwrite=overwrite)

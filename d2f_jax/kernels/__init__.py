@@ -6,10 +6,10 @@
 Each kernel has its pure-jnp reference beside it; `impl="auto"` falls back to it on CPU.
 """
 
-from d2f_jax.kernels.attend import attend, attend_window, resolve, visible_length
+from d2f_jax.kernels.attend import attend, attend_window, visible_length
 from d2f_jax.kernels.block_sizes import BlockSizes
 from d2f_jax.kernels.flash_attention import flash_attention, flash_attention_reference
 from d2f_jax.kernels.window_attention import window_attention, window_attention_reference
 
-__all__ = ["attend", "attend_window", "resolve", "visible_length", "BlockSizes", "flash_attention",
+__all__ = ["attend", "attend_window", "visible_length", "BlockSizes", "flash_attention",
            "flash_attention_reference", "window_attention", "window_attention_reference"]

@@ -7,10 +7,10 @@ from d2f_jax.models.config import (DREAM_7B, LLADA_8B, PRESETS, TINY_DREAM, TINY
 from d2f_jax.models.functional import forward, logits_for_mode
 from d2f_jax.models.kv_cache import KVCache
 from d2f_jax.models.layers import positions_from_mask
-from d2f_jax.models.transformer import Transformer, align_logits
+from d2f_jax.models.transformer import PROJECTIONS, Transformer, align_logits, proj_shape
 
 __all__ = [
     "ATTENTION_MODES", "PAD_ID", "attention_ids", "attention_reference", "DREAM_7B", "LLADA_8B", "PRESETS",
     "TINY_DREAM", "TINY_LLADA", "LoraConfig", "ModelConfig", "preset", "forward", "logits_for_mode", "KVCache",
-    "positions_from_mask", "Transformer", "align_logits",
+    "positions_from_mask", "PROJECTIONS", "Transformer", "align_logits", "proj_shape",
 ]

@@ -19,10 +19,12 @@ ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
 # GPU/TPU and the reference on CPU, "pallas" = kernels always, "interpret_*" = kernels in a CPU interpreter.
 # How the layers run (models/transformer.py): "scan" = one lax.scan over the stacked weights (compile time flat
-# in depth); "unroll" = a Python loop with static per-layer slices; "auto" = unroll when decoding against a KV
-# cache, scan otherwise. Inside a scan each layer's weights and cache are dynamic slices, which the GPU
-# compiler copies out before the matmuls and the attention kernel (3x the weight traffic of a
-# memory-bound decode step); static slices fuse into the matmuls and the kernel reads the stacked cache.
+# in depth); "unroll" = a Python loop with static per-layer slices, read in place by every compiler; "auto" =
+# unroll when decoding against a KV cache (a memory-bound step), scan otherwise. Inside a scan a layer's weights
+# are dynamic slices and the window kernel reads the stacked cache at the scan's counter: in place on TPU (the
+# cache and most weights; libtpu still copies q's and k's slices to feed its matmul a head-major output: 8 MiB
+# a layer a device for LLaDA-8B on v5e-8), all copied on GPU (~2x a decode step's traffic). A scanned decode
+# step compiles in a fraction of the unrolled one's time (README: compile times).
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 
 

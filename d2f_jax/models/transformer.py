@@ -2,9 +2,11 @@
 
 Layer weights are stacked on a leading `layers` axis. Training and prefill-free forwards apply them with
 `lax.scan` (compile time flat in depth); a forward against a KV cache (a decode step, memory-bound) runs
-them as a Python loop of static slices by default (`ModelConfig.layer_loop`), because a scan's dynamic
-slices are copied out of the stacks on GPU before every matmul and kernel call. Every parameter carries logical axis names
-(embed, heads, kv_heads, head_dim, mlp, vocab, layers, lora_rank) for sharding rules.
+them as a Python loop of static slices by default (`ModelConfig.layer_loop`), which every compiler reads
+in place. In a scan the attention kernel reads the stacked cache at the scan's counter (in place on TPU),
+but the GPU compiler copies every weight slice out, and the TPU one some (config.py, LAYER_LOOPS). Every
+parameter carries logical axis names (embed, heads, kv_heads, head_dim, mlp, vocab, layers, lora_rank;
+heads packed with head_dim as "heads:D") for sharding rules.
 """
 
 from __future__ import annotations
@@ -20,17 +22,28 @@ from d2f_jax.models import layers as L
 from d2f_jax.models.config import LoraConfig, ModelConfig
 from d2f_jax.models.kv_cache import KVCache
 from d2f_jax.sharding.layout import constrain_batch
+from d2f_jax.sharding.rules import packed_axis
 
-# Our weight name -> (logical axes after the layers axis, LoRA a-axes, LoRA b-axes)
-_PROJ_AXES = {
-    "q": (("embed", "heads", "head_dim"), 1, 2),
-    "k": (("embed", "kv_heads", "head_dim"), 1, 2),
-    "v": (("embed", "kv_heads", "head_dim"), 1, 2),
-    "o": (("heads", "head_dim", "embed"), 2, 1),
-    "gate": (("embed", "mlp"), 1, 1),
-    "up": (("embed", "mlp"), 1, 1),
-    "down": (("mlp", "embed"), 1, 1),
-}
+# Every projection is stored as one [in, out] matrix per layer (HF's Linear transposed): heads are packed
+# with their head_dim on one axis ("heads:D", sharded in whole heads), so a layer's slice is a plain 2-D
+# operand (o's [H, D, E] slice was copied on GPU for its split-K matmul; in a scan on TPU every 3-D q / k / v
+# slice was copied, where 2-D ones are mostly read in place).
+_PROJ_IO = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+            "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+PROJECTIONS: tuple[str, ...] = tuple(_PROJ_IO)
+
+
+def proj_axes(name: str, config: ModelConfig) -> tuple[str, str]:
+  """Logical axes (in, out) of projection `name`'s [in, out] matrix."""
+  return tuple(packed_axis(a, config.head_dim) if a in ("heads", "kv_heads") else a for a in _PROJ_IO[name])
+
+
+def proj_shape(name: str, config: ModelConfig) -> tuple[int, int]:
+  """(in, out) of projection `name`: q [E, H*D], k / v [E, K*D], o [H*D, E], gate / up [E, F], down [F, E]."""
+  c = config
+  size = {"embed": c.embed_dim, "heads": c.num_heads * c.head_dim, "kv_heads": c.num_kv_heads * c.head_dim,
+          "mlp": c.mlp_dim}
+  return tuple(size[a] for a in _PROJ_IO[name])
 
 
 def _param(value, axes, kind=nnx.Param):
@@ -45,41 +58,27 @@ class StackedLayers(nnx.Module):
     self.config = config
     self.lora = lora
     pdt = c.weight_dtype
-    shapes = {
-        "q": (c.embed_dim, c.num_heads, c.head_dim),
-        "k": (c.embed_dim, c.num_kv_heads, c.head_dim),
-        "v": (c.embed_dim, c.num_kv_heads, c.head_dim),
-        "o": (c.num_heads, c.head_dim, c.embed_dim),
-        "gate": (c.embed_dim, c.mlp_dim),
-        "up": (c.embed_dim, c.mlp_dim),
-        "down": (c.mlp_dim, c.embed_dim),
-    }
     nl = c.num_layers
     self.attn_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
     self.mlp_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
-    for name, shape in shapes.items():
-      fan_in = c.num_heads * c.head_dim if name == "o" else shape[0]
-      init = jax.random.normal(rngs.params(), (nl, *shape), jnp.float32) * fan_in ** -0.5
-      setattr(self, name, _param(init.astype(pdt), ("layers", *_PROJ_AXES[name][0])))
+    for name in PROJECTIONS:
+      fan_in, fan_out = proj_shape(name, c)
+      init = jax.random.normal(rngs.params(), (nl, fan_in, fan_out), jnp.float32) * fan_in ** -0.5
+      setattr(self, name, _param(init.astype(pdt), ("layers", *proj_axes(name, c))))
     if c.qkv_bias:
       self.q_bias = _param(jnp.zeros((nl, c.num_heads, c.head_dim), pdt), ("layers", "heads", "head_dim"))
       self.k_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
       self.v_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
     if lora is not None:
       for name in lora.targets:
-        axes, n_in, n_out = _PROJ_AXES[name]
-        in_shape, out_shape = shapes[name][:n_in], shapes[name][n_in:]
-        fan_in = 1
-        for d in in_shape:
-          fan_in *= d
+        fan_in, fan_out = proj_shape(name, c)
+        axis_in, axis_out = proj_axes(name, c)
         # PEFT's default: A ~ kaiming-uniform-ish, B = 0, so a fresh adapter is the identity update.
-        a = jax.random.uniform(rngs.params(), (nl, *in_shape, lora.rank), jnp.float32, -1.0, 1.0)
+        a = jax.random.uniform(rngs.params(), (nl, fan_in, lora.rank), jnp.float32, -1.0, 1.0)
         a = a * (3.0 / fan_in) ** 0.5
-        setattr(self, f"{name}_lora_a",
-                _param(a.astype(pdt), ("layers", *axes[:n_in], "lora_rank"), nnx.LoRAParam))
-        setattr(self, f"{name}_lora_b",
-                _param(jnp.zeros((nl, lora.rank, *out_shape), pdt), ("layers", "lora_rank", *axes[n_in:]),
-                       nnx.LoRAParam))
+        setattr(self, f"{name}_lora_a", _param(a.astype(pdt), ("layers", axis_in, "lora_rank"), nnx.LoRAParam))
+        setattr(self, f"{name}_lora_b", _param(jnp.zeros((nl, lora.rank, fan_out), pdt),
+                                               ("layers", "lora_rank", axis_out), nnx.LoRAParam))
 
   def weights(self) -> dict[str, jax.Array]:
     """The stacked arrays as a plain dict, the scan's `xs`."""
@@ -87,29 +86,22 @@ class StackedLayers(nnx.Module):
 
 
 def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, dropout_key) -> jax.Array:
-  """x @ W (+ scale * dropout(x) @ A @ B when `name` has an adapter). Spec strings name every axis."""
-  spec = {"q": "bte,ehd->bthd", "k": "bte,ehd->bthd", "v": "bte,ehd->bthd", "o": "bthd,hde->bte",
-          "gate": "bte,ef->btf", "up": "bte,ef->btf", "down": "btf,fe->bte"}[name]
-  out = jnp.einsum(spec, x, w[name].astype(dtype))
+  """x [B, T, in] @ W [in, out] (+ scale * dropout(x) @ A @ B when `name` has an adapter) -> [B, T, out]."""
+  out = jnp.einsum("bti,io->bto", x, w[name].astype(dtype))
   if lora is not None and name in lora.targets:
-    lhs, rhs = spec.split("->")
-    x_axes, w_axes = lhs.split(",")
-    in_axes = x_axes[2:]
-    a_spec = f"{x_axes},{in_axes}r->btr"
-    b_spec = f"btr,r{rhs[2:]}->{rhs}"
     xd = x
     if dropout_key is not None and lora.dropout > 0.0:
       keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
       xd = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-    low = jnp.einsum(a_spec, xd, w[f"{name}_lora_a"].astype(dtype))
-    out = out + lora.scale * jnp.einsum(b_spec, low, w[f"{name}_lora_b"].astype(dtype))
+    low = jnp.einsum("bti,ir->btr", xd, w[f"{name}_lora_a"].astype(dtype))
+    out = out + lora.scale * jnp.einsum("btr,ro->bto", low, w[f"{name}_lora_b"].astype(dtype))
   return out
 
 
 def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, cache_len,
-           dropout_key, layer: int | None = None):
+           dropout_key, layer: int | jax.Array | None = None):
   """One pre-norm block. x: [B, T, E]. Returns (x, (k, v)) with this window's k, v: [B, T, K, D].
-  cache_kv: this layer's (k, v) [B, S, K, D], or with `layer` the stacked [L, B, S, K, D] to read it from."""
+  cache_kv: the stacked (k, v) [L, B, S, K, D] read at `layer` (a static int, or a scan's traced counter)."""
   dtype = config.compute_dtype
   keys = [None] * 7 if dropout_key is None else list(jax.random.split(dropout_key, 7))
   h = L.rms_norm(x, w["attn_norm"], config.norm_eps)
@@ -119,9 +111,10 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
     # one over concatenated weights, copying each layer's q/k/v slices of the stacked weights (a decode step
     # reads its weights once; those copies were ~1.9x its weight traffic on H100). Values are unchanged.
     h_k, h_v = jax.lax.optimization_barrier((h, h))
-  q = _project("q", h, w, lora, dtype, keys[0])  # [B, T, H, D]
-  k = _project("k", h_k, w, lora, dtype, keys[1])  # [B, T, K, D]
-  v = _project("v", h_v, w, lora, dtype, keys[2])
+  heads = lambda y: y.reshape(*y.shape[:2], -1, config.head_dim)  # [B, T, n * D] -> [B, T, n, D]
+  q = heads(_project("q", h, w, lora, dtype, keys[0]))  # [B, T, H, D]
+  k = heads(_project("k", h_k, w, lora, dtype, keys[1]))  # [B, T, K, D]
+  v = heads(_project("v", h_v, w, lora, dtype, keys[2]))
   if config.qkv_bias:
     q, k, v = q + w["q_bias"].astype(dtype), k + w["k_bias"].astype(dtype), v + w["v_bias"].astype(dtype)
   q = L.rope(q, positions, config.rope_theta)
@@ -134,7 +127,7 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
     # attend_window converts a cache kept in another dtype to q's (the compute dtype), one layer at a time
     attn = kernels.attend_window(q, k, v, q_ids, kv_ids[:, size:], cache_k, cache_v, kv_ids[:, :size], cache_len,
                                  layer=layer, impl=config.attention_impl)
-  x = x + _project("o", attn, w, lora, dtype, keys[3])
+  x = x + _project("o", attn.reshape(*attn.shape[:2], -1), w, lora, dtype, keys[3])  # attn [B, T, H * D]
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
   x = x + _project("down", gated, w, lora, dtype, keys[6])
@@ -170,17 +163,19 @@ class Transformer(nnx.Module):
     body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids,
                              cache_len=None if cache is None else cache.length)
 
+    cache_kv = None if cache is None else (cache.k, cache.v)  # [L, B, S, K, D] each
+
     def step(x, xs):
-      w, cache_kv, key = xs
-      x, kv = body(x, w, cache_kv=cache_kv, dropout_key=key)
+      w, layer, key = xs  # a scan reads the stacked cache whole, at its counter `layer`
+      x, kv = body(x, w, cache_kv=cache_kv, layer=None if cache is None else layer, dropout_key=key)
       return constrain_batch(x), kv
 
     if c.remat:  # recompute each layer in the backward pass: activation memory O(1) in depth
       step = jax.checkpoint(step)
 
-    cache_kv = None if cache is None else (cache.k, cache.v)
     if not c.unrolls_layers(cached=cache is not None):
-      x, (k, v) = jax.lax.scan(step, x, (weights, cache_kv, layer_keys))
+      counters = jnp.arange(c.num_layers, dtype=jnp.int32)
+      x, (k, v) = jax.lax.scan(step, x, (weights, counters, layer_keys))
       return self._after_cache_reads(x, k, v, cached=cache is not None)
     window_kv = []
     for i in range(c.num_layers):  # static slices: fused into the matmuls, and the kernel reads cache layer i

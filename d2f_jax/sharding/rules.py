@@ -53,19 +53,38 @@ def rule_axes(rules, name: str, mesh) -> tuple[str, ...]:
   return axes
 
 
+def packed_axis(name: str, unit: int) -> str:
+  """The logical axis of a dimension packing whole `name` units of `unit` elements each (heads with their
+  head_dim: "heads:128"): sharded by `name`'s rule, only where the shards hold whole units."""
+  return f"{name}:{unit}"
+
+
+def _unpack(name: str | None) -> tuple[str | None, int]:
+  """'heads:128' -> ('heads', 128); 'embed' -> ('embed', 1)."""
+  if name is None or ":" not in name:
+    return name, 1
+  base, unit = name.split(":", 1)
+  if not unit.isdigit() or int(unit) <= 0:
+    raise ValueError(f"packed logical axis {name!r}: expected 'name:unit' with a positive integer unit")
+  return base, int(unit)
+
+
 def logical_spec(axes: Sequence[str | None], rules: Rules, mesh, shape: Sequence[int] | None = None) -> P:
   """PartitionSpec of an array with logical `axes`: each maps to its rule's mesh axes that are still unused
-  in this array, of size > 1, and (given `shape`) divide the dimension."""
+  in this array, of size > 1, and (given `shape`) divide the dimension (in whole units, for a packed axis)."""
   table = dict(rules)
   used: set[str] = set()
   spec = []
-  for dim, name in enumerate(axes):
+  for dim, packed in enumerate(axes):
+    name, unit = _unpack(packed)
+    if shape is not None and shape[dim] % unit:
+      raise ValueError(f"logical axis {packed!r} packs units of {unit}, but the dimension has size {shape[dim]}")
     if name is not None and name not in table:
       raise ValueError(f"logical axis {name!r} has no rule in logical_axis_rules (known: {sorted(table)})")
     chosen: list[str] = []
     for axis in rule_axes(rules, name, mesh) if name is not None else ():
       size = mesh.shape[axis] * math.prod(mesh.shape[a] for a in chosen)
-      if axis in used or mesh.shape[axis] == 1 or (shape is not None and shape[dim] % size):
+      if axis in used or mesh.shape[axis] == 1 or (shape is not None and (shape[dim] // unit) % size):
         continue
       chosen.append(axis)
     used.update(chosen)

@@ -33,6 +33,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from d2f_jax.train.layout_migration import pack, packing_only, shapes_of, unpacked_target
 from d2f_jax.train import digest as digest_lib
 from d2f_jax.train.state import TrainState
 
@@ -71,19 +72,6 @@ def _short(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-  """{'params/layers/q_lora_a': shape, ...} of a state tree or its orbax metadata (same paths either way)."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
-
-
 class Checkpointer:
   def __init__(self, directory: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory) if "://" not in directory else directory
@@ -116,12 +104,14 @@ class Checkpointer:
     """Refuse checkpoint `step` if its arrays' shapes differ from `abstract`'s, naming each such array.
     Unreadable metadata is left to the restore (it is corruption, not a mismatch)."""
     try:
-      saved = _shapes(self.manager.item_metadata(step)["state"])
+      saved = shapes_of(self.manager.item_metadata(step)["state"])
     except Exception:  # noqa: BLE001 - judged by the restore that follows
       return
     if not saved:
       return
-    wanted = _shapes(abstract.to_dict())
+    wanted = shapes_of(abstract.to_dict())
+    if packing_only(saved, wanted):
+      return  # written before heads were packed with head_dim: `restore` reshapes it
     diffs = [f"{k}: checkpoint {saved.get(k, 'absent')}, config {wanted.get(k, 'absent')}"
              for k in sorted(set(saved) | set(wanted), key=lambda k: (not k.startswith("params/"), k))
              if saved.get(k) != wanted.get(k)]  # the parameters first: the optimizer's moments follow them
@@ -211,7 +201,8 @@ class Checkpointer:
     """(state laid out like `abstract`'s shardings, data position) of checkpoint `step`, checked against the
     digests saved with it (DigestMismatch); a checkpoint from before digests were kept is restored unchecked."""
     where = os.path.join(self.directory, str(step))
-    items = dict(state=ocp.args.StandardRestore(abstract.to_dict()), data=ocp.args.JsonRestore())
+    target, unpacked = self._target(step, abstract.to_dict())
+    items = dict(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
     checked = os.path.isdir(os.path.join(where, "digest"))
     if checked:
       items["digest"] = ocp.args.JsonRestore()
@@ -221,7 +212,21 @@ class Checkpointer:
     else:
       log.warning("checkpoint step %d in %s has no digest (written before digests were kept): restored unchecked",
                   step, self.directory)
-    return TrainState.from_dict(restored["state"]), restored["data"]
+    state = restored["state"]
+    if unpacked:
+      log.warning("checkpoint step %d in %s was written before attention heads were packed with head_dim; "
+                  "%d arrays reshaped on restore (the next save writes today's layout)", step, self.directory,
+                  len(unpacked))
+      state = pack(state, abstract.to_dict(), unpacked)
+    return TrainState.from_dict(state), restored["data"]
+
+  def _target(self, step: int, wanted: dict) -> tuple[dict, set[str]]:
+    """(what to restore checkpoint `step` into, the paths it holds in the old attention layout)."""
+    try:
+      saved = shapes_of(self.manager.item_metadata(step)["state"])
+    except Exception:  # noqa: BLE001 - unreadable metadata is judged by the restore itself
+      return wanted, set()
+    return unpacked_target(saved, wanted, shapes_of(wanted))
 
   def reached_preemption(self, step: int) -> bool:
     return self.manager.reached_preemption(step)
