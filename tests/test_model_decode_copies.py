@@ -102,3 +102,51 @@ def test_copied_slices_finds_copies_of_weight_and_cache_slices_only():
                    ("copy.7", "copy", "state_cache_k.1", 3 * 1024 * 32 * 128 * 2)}
   # the 64-byte slice is under the threshold; the gemm fusion and the in-place update read in place
   assert [c.instruction for c in copied_slices(_MODULE, min_bytes=1)] == ["wrapped_slice", "copy.7", "small"]
+
+
+_LOOP_MODULE = """HloModule scan
+
+%sliced (p0: bf16[3,4096,512], p1: s32[]) -> bf16[1,4096,512] {
+  %p0 = bf16[3,4096,512]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = bf16[1,4096,512]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,4096,512}
+}
+
+%matmul_in_place (p0: bf16[3,4096,1536], p1: s32[], x: bf16[64,4096]) -> bf16[64,1536] {
+  %p0 = bf16[3,4096,1536]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %x = bf16[64,4096]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,4096,1536]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,4096,1536}
+  %w = bf16[4096,1536]{1,0} bitcast(%ds)
+  ROOT %d = bf16[64,1536]{1,0} convolution(%x, %w), dim_labels=bf_io->bf
+}
+
+%body (arg: (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096])) -> (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096]) {
+  %arg = (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096]) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %wq = bf16[3,4096,512]{2,1,0} get-tuple-element(%arg), index=1
+  %wu = bf16[3,4096,1536]{2,1,0} get-tuple-element(%arg), index=2
+  %x = bf16[64,4096]{1,0} get-tuple-element(%arg), index=3
+  %copied = bf16[1,4096,512]{2,1,0} fusion(%wq, %i), kind=kLoop, calls=%sliced
+  %up = bf16[64,1536]{1,0} fusion(%wu, %i, %x), kind=kOutput, calls=%matmul_in_place
+  ROOT %t = (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096]) tuple(%i, %wq, %wu, %x)
+}
+
+ENTRY %main (w: bf16[3,4096,512], u: bf16[3,4096,1536], x: bf16[64,4096]) -> bf16[64,4096] {
+  %w = bf16[3,4096,512]{2,1,0} parameter(0)
+  %u = bf16[3,4096,1536]{2,1,0} parameter(1)
+  %x = bf16[64,4096]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096]) tuple(%zero, %w, %u, %x)
+  %loop = (s32[], bf16[3,4096,512], bf16[3,4096,1536], bf16[64,4096]) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[64,4096]{1,0} get-tuple-element(%loop), index=3
+}
+"""
+
+
+def test_copied_slices_finds_slices_a_layer_loop_materializes():
+  """In a scan's body a slice fused into its matmul is read in place; one sliced out by itself is a copy."""
+  assert [(c.instruction, c.op, c.source, c.bytes) for c in copied_slices(_LOOP_MODULE)] == [
+      ("copied", "kLoop", "loop body slice", 4096 * 512 * 2)]

@@ -67,9 +67,45 @@ def _root_op(lines: list[str]) -> str:
   return ""
 
 
+def _called_ops(line: str, computations: dict[str, list[str]]) -> set[str]:
+  """Opcodes inside the computation a fusion calls."""
+  called = re.search(r"calls=(%[\w.\-]+)", line)
+  ops = set()
+  for inner in computations.get(called.group(1), []) if called else []:
+    m = _INSTRUCTION.match(inner)
+    if m:
+      ops.add(m.group(3))
+  return ops
+
+
+def _loop_copies(hlo_text: str, computations: dict[str, list[str]], min_bytes: int) -> list[Copy]:
+  """Slices a layer loop's body materializes: a top-level dynamic-slice, or a fusion that slices without a
+  matmul in it (a matmul or kernel reading the stacked array at the loop's counter reads it in place)."""
+  found = []
+  for body in sorted(set(re.findall(r"body=(%[\w.\-]+)", hlo_text))):
+    for line in computations.get(body, []):
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      name, shape, op, _ = m.groups()
+      size = _bytes(shape)
+      if size < min_bytes:
+        continue
+      if op == "fusion":
+        ops = _called_ops(line, computations)
+        if "dynamic-slice" not in ops or ops & {"dot", "convolution", "custom-call"}:
+          continue
+        kind = re.search(r"kind=(\w+)", line)
+        found.append(Copy(name.lstrip("%"), kind.group(1) if kind else "fusion", "loop body slice", size))
+      elif op == "dynamic-slice":
+        found.append(Copy(name.lstrip("%"), op, "loop body slice", size))
+  return found
+
+
 def copied_slices(hlo_text: str, min_bytes: int = 1 << 20) -> list[Copy]:
-  """Copies of weight / cache slices of at least `min_bytes` in an optimized module's text (the entry
-  computation's top level: a decode step with its layers unrolled has no loop)."""
+  """Copies of weight / cache slices of at least `min_bytes` in an optimized module's text: at the entry
+  computation's top level (a decode step with its layers unrolled) and in while-loop bodies (a layer scan,
+  where the source is named "loop body slice")."""
   computations = _computations(hlo_text)
   entry = computations.get("ENTRY", [])
   sources = {}  # parameter -> bytes of one layer's slice (the stacks lead with their layers axis)
@@ -100,4 +136,4 @@ def copied_slices(hlo_text: str, min_bytes: int = 1 << 20) -> list[Copy]:
     size = _bytes(shape)
     if size >= min_bytes:
       found.append(Copy(name.lstrip("%"), kind, read[-1][1].lstrip("%"), size))
-  return found
+  return found + _loop_copies(hlo_text, computations, min_bytes)
