@@ -87,6 +87,11 @@ class StackedLayers(nnx.Module):
 
 def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, dropout_key) -> jax.Array:
   """x [B, T, in] @ W [in, out] (+ scale * dropout(x) @ A @ B when `name` has an adapter) -> [B, T, out]."""
+  with jax.named_scope(name):  # profiles and compiled modules name the projection
+    return _project_unscoped(name, x, w, lora, dtype, dropout_key)
+
+
+def _project_unscoped(name, x, w, lora, dtype, dropout_key):
   out = jnp.einsum("bti,io->bto", x, w[name].astype(dtype))
   if lora is not None and name in lora.targets:
     xd = x
