@@ -49,10 +49,16 @@ def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
   # ... and replaced by the formula's rows: 16 window tokens' k and v, read and written.
   write = cm.write_cost(deep, shape, {"data": 1, "tensor": 1})
   assert write == {"flops": 0.0, "bytes": 2 * 2 * 2 * 4 * 1 * 16 * 2 * 64}
+  # The embedding gather is counted with the whole table (2048 x 256 bf16) as its operand ...
+  assert got["gather"]["bytes"] >= 2048 * 256 * 2, got["gather"]
+  # ... and replaced by the formula's rows: 16 tokens' 256-wide rows read and written, and their ids.
+  gather = cm.gather_cost(deep, shape, {"data": 1, "tensor": 1})
+  assert gather == {"flops": 0.0, "bytes": 16 * (2 * 2 * 256 + 4)}
   accounted = cm.accounted_cost(got, deep, shape, {"data": 1, "tensor": 1})
-  assert accounted["source"] == "compiled + cache-write formula"
-  assert accounted["bytes"] == pytest.approx(got["bytes"] - got["write"]["bytes"] + write["bytes"])
-  assert accounted["flops"] == pytest.approx(got["flops"] - got["write"]["flops"])
+  assert accounted["source"] == "compiled + cache-write formula + embedding-gather formula"
+  assert accounted["bytes"] == pytest.approx(got["bytes"] - got["write"]["bytes"] + write["bytes"]
+                                             - got["gather"]["bytes"] + gather["bytes"])
+  assert accounted["flops"] == pytest.approx(got["flops"] - got["write"]["flops"] - got["gather"]["flops"])
 
 
 def test_an_opaque_kernel_is_replaced_by_the_attention_formula():

@@ -15,6 +15,9 @@ Three things stand between `compiled.cost_analysis()` and a cost per forward, ea
   stacked cache, done in place, but the cost analysis counts the whole cache read and written (1 GB per
   LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 2 and 3
   layers, and subtracted; the formula's bytes (the rows written) are added (cost_model.write_cost).
+- The embedding gather: the cost analysis charges a gather its whole operand, the embedding table (1.04 GB for
+  LLaDA-8B) for a few rows. It is compiled alone (the table sharded as the model's, the forward's token ids)
+  and subtracted; the formula's bytes (the rows read and written) are added (cost_model.gather_cost).
 - NVIDIA targets: the deviceless compile has no cost analysis ("GetCostAnalysis is not supported"), so XLA's
   HloCostAnalysis is run on the compiled (optimized, fused) HLO module it does return.
 All numbers are per device (the SPMD-partitioned module) for the target's decode mesh.
@@ -38,8 +41,9 @@ from d2f_jax.sharding import mesh_layout
 # Bumped whenever the compiled programs or this accounting change: cached costs of another version are stale.
 # 2: cached forwards unroll their layers and the window kernel reads the stacked cache; 3: cache writes apart;
 # 4: extrapolated from 2 and 3 layers; 5: decode forwards with q/k/v from separate operands and the cache
-# write after the last cache read (no copied q/k/v or cache slices).
-COST_VERSION = 5
+# write after the last cache read (no copied q/k/v or cache slices); 6: projections stored [in, out] (no o copy)
+# and the embedding gather charged as the rows it reads.
+COST_VERSION = 6
 FIT_LAYERS = (2, 3)  # the depths compiled; cost(L) is the line through them
 
 # Custom-call targets of Pallas kernels, whose cost the compiler cannot see.
@@ -166,11 +170,32 @@ def write_cost(config, shape: StepShape, mesh, layers: int) -> dict:
   return {**cost_of(compiled), "compile_s": round(seconds, 2)}
 
 
+def gather_cost(config, shape: StepShape, mesh) -> dict:
+  """What the compiler counts for a forward's embedding gather alone: the forward's token ids' rows of the
+  table, sharded as the model's parameter, cast to the compute dtype and laid out over the rows as the
+  model's first activation."""
+  from d2f_jax.decode.mesh import as_decode_mesh
+  from d2f_jax.sharding import constrain_batch, logical_spec
+  placement = as_decode_mesh(mesh)
+  layout, rows = placement.layout, placement.padded_batch(shape.batch)
+  table_spec = logical_spec(("vocab", "embed"), placement.rules, mesh, (config.vocab_size, config.embed_dim))
+
+  def gather(table, tokens):
+    with mesh_layout(layout):
+      return constrain_batch(table.astype(jnp.dtype(config.dtype))[tokens])
+  args = (jax.ShapeDtypeStruct((config.vocab_size, config.embed_dim), jnp.dtype(config.param_dtype),
+                               sharding=NamedSharding(mesh, table_spec)),
+          jax.ShapeDtypeStruct((rows, shape.tokens), jnp.int32, sharding=placement.rows(2)))
+  compiled, seconds = _compile(lambda: jax.jit(gather).lower(*args))
+  return {**cost_of(compiled), "compile_s": round(seconds, 2)}
+
+
 def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
   """Per-device compiled cost of one forward of the full-depth model: 'flops' / 'bytes' as the compiler counts
   them at FIT_LAYERS layers, extrapolated to config.num_layers, and 'kernel' (per layer: the attention calls'
   count, compiled alone and extrapolated the same way, over num_layers; to be replaced by the formula where
-  'opaque' lists custom calls) and 'write' (the cache write's count at full depth, to be replaced likewise)."""
+  'opaque' lists custom calls), 'write' (the cache write's count at full depth) and 'gather' (the embedding
+  gather's count), each to be replaced likewise."""
   lo, hi = FIT_LAYERS
   layers = config.num_layers
   if layers < lo:
@@ -193,6 +218,7 @@ def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
     out["kernel"] = {"flops": 0.0, "bytes": 0.0, "opaque": []}
   if shape.kind != "full_step":  # every other forward writes the window's K/V into the cache
     out["write"] = line(write_cost(config, shape, mesh, lo), write_cost(config, shape, mesh, hi))
+  out["gather"] = {k: v for k, v in gather_cost(config, shape, mesh).items() if k in ("flops", "bytes")}
   log(f"  {shape.kind} width {shape.width} batch {shape.batch}: compiled in {out['compile_s']:.1f}s"
       f"{' (+ kernel alone ' + str(out['kernel']['compile_s']) + 's)' if out['opaque'] else ''}")
   return out

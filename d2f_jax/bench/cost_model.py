@@ -62,16 +62,27 @@ def write_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
   return {"flops": 0.0, "bytes": float(BYTES * 2 * 2 * config.num_layers * b * shape.tokens * kv * config.head_dim)}
 
 
+def gather_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
+  """The formula's bytes of a forward's embedding gather, per device: b x n rows of E read and written in the
+  compute dtype (the table is split over vocab: each device reads its own rows, the partial rows are summed)
+  and the token ids."""
+  b = rows_per_device(shape.batch, mesh_shape.get("data", 1))
+  return {"flops": 0.0, "bytes": float(b * shape.tokens * (2 * BYTES * config.embed_dim + 4))}
+
+
 def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -> dict:
   """The compiled cost with what the compiler cannot count replaced by formulas: opaque attention kernels
-  (the program less L x the kernel call compiled alone, + attention_cost) and the in-place cache write (less
-  the write compiled alone, + write_cost). Without either (XLA attention, no cache) the count stands."""
+  (the program less L x the kernel call compiled alone, + attention_cost), the in-place cache write (less
+  the write compiled alone, + write_cost) and the embedding gather (less the gather compiled alone, +
+  gather_cost). Without any of them (XLA attention, no cache, costs of an older version) the count stands."""
   parts = []
   if compiled["opaque"]:
     parts.append(("attention formula", {k: config.num_layers * compiled["kernel"][k] for k in ("flops", "bytes")},
                   attention_cost(config, shape, mesh_shape)))
   if compiled.get("write"):
     parts.append(("cache-write formula", compiled["write"], write_cost(config, shape, mesh_shape)))
+  if compiled.get("gather"):
+    parts.append(("embedding-gather formula", compiled["gather"], gather_cost(config, shape, mesh_shape)))
   out = {"source": " + ".join(["compiled"] + [name for name, _, _ in parts])}
   for key in ("flops", "bytes"):
     rest = compiled[key] - sum(counted[key] for _, counted, _ in parts)
