@@ -63,9 +63,6 @@ def _check_args(q, k_win, v_win, q_ids, win_ids, cache_k, cache_v, cache_ids, ca
     elif not isinstance(layer, int) or not 0 <= layer < getattr(cache_k, "shape", (0,))[0]:
       raise ValueError(f"layer must be an int indexing cache_k's leading [L] axis, got {layer!r} for cache_k "
                        f"of shape {list(getattr(cache_k, 'shape', ()))}")
-    if getattr(cache_k, "ndim", None) != 5:
-      raise ValueError(f"a layer is read from a stacked [L, B, S, K, D] cache; cache_k has shape "
-                       f"{list(getattr(cache_k, 'shape', ()))}")
     lead = (cache_k.shape[0],)
   check_array("cache_k", cache_k, (*lead, batch, None, num_kv_heads, head_dim))
   cache_size = cache_k.shape[-3]

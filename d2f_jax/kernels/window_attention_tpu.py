@@ -23,9 +23,10 @@ from jax.experimental.pallas import tpu as pltpu
 from d2f_jax.kernels.common import MASK_VALUE, finalize, interpret_arg, matmul, online_softmax_step
 
 
-def _window_kernel(len_ref, layer_ref, q_ref, q_ids_ref, kw_ref, vw_ref, w_ids_ref, kc_ref, vc_ref, c_ids_ref, o_ref,
-                   m_ref, l_ref, acc_ref, *, scale, block_k, num_steps, precision):
-  # len_ref: [B], layer_ref: [1] (SMEM, read by the index maps only); q_ref: [bm, D]; q_ids_ref: [bm, 1]; kw_ref, vw_ref: [W, D]; w_ids_ref: [1, W]
+def _window_kernel(len_ref, layer_ref, q_ref, q_ids_ref, kw_ref, vw_ref, w_ids_ref, kc_ref, vc_ref, c_ids_ref,
+                   o_ref, m_ref, l_ref, acc_ref, *, scale, block_k, num_steps, precision):
+  # len_ref: [B], layer_ref: [1] (SMEM; the layer is read by the index maps only); q_ref: [bm, D]
+  # q_ids_ref: [bm, 1]; kw_ref, vw_ref: [W, D]; w_ids_ref: [1, W]
   # kc_ref, vc_ref: [bk, D] one cache tile of this kv head; c_ids_ref: [1, bk]; o_ref: [bm, D]
   # m_ref, l_ref: [bm, 1] and acc_ref: [bm, D] fp32 scratch
   step = pl.program_id(3)
@@ -119,7 +120,8 @@ def window_attention_tpu(rows, row_ids, k_win, v_win, win_ids, cache_k, cache_v,
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret_arg(interpret),
       name="d2f_window_attention",
-  )(cache_len, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), rows, row_ids[:, :, None], k_win, v_win, win_ids[:, None, :],
+  )(cache_len, jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),  # the index maps' scalars
+    rows, row_ids[:, :, None], k_win, v_win, win_ids[:, None, :],
     cache_k.reshape(*lead, cache_size, num_kv_heads * dp), cache_v.reshape(*lead, cache_size, num_kv_heads * dp),
     cache_ids[:, None, :])
   return out[..., :head_dim] if pad_d else out

@@ -88,19 +88,15 @@ class StackedLayers(nnx.Module):
 def _project(name: str, x: jax.Array, w: dict, lora: LoraConfig | None, dtype, dropout_key) -> jax.Array:
   """x [B, T, in] @ W [in, out] (+ scale * dropout(x) @ A @ B when `name` has an adapter) -> [B, T, out]."""
   with jax.named_scope(name):  # profiles and compiled modules name the projection
-    return _project_unscoped(name, x, w, lora, dtype, dropout_key)
-
-
-def _project_unscoped(name, x, w, lora, dtype, dropout_key):
-  out = jnp.einsum("bti,io->bto", x, w[name].astype(dtype))
-  if lora is not None and name in lora.targets:
-    xd = x
-    if dropout_key is not None and lora.dropout > 0.0:
-      keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
-      xd = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
-    low = jnp.einsum("bti,ir->btr", xd, w[f"{name}_lora_a"].astype(dtype))
-    out = out + lora.scale * jnp.einsum("btr,ro->bto", low, w[f"{name}_lora_b"].astype(dtype))
-  return out
+    out = jnp.einsum("bti,io->bto", x, w[name].astype(dtype))
+    if lora is not None and name in lora.targets:
+      xd = x
+      if dropout_key is not None and lora.dropout > 0.0:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
+        xd = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(x.dtype)
+      low = jnp.einsum("bti,ir->btr", xd, w[f"{name}_lora_a"].astype(dtype))
+      out = out + lora.scale * jnp.einsum("btr,ro->bto", low, w[f"{name}_lora_b"].astype(dtype))
+    return out
 
 
 def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids, kv_ids, cache_kv, cache_len,

@@ -17,5 +17,5 @@ __all__ = [
     "DEFAULT_RULES", "MESH_AXES", "MeshLayout", "Rules", "abstract_with", "batch_sharding", "constrain_batch",
     "current_layout", "host_to_global", "layout_from_rules", "logical_spec", "make_mesh",
     "maybe_initialize_distributed", "mesh_layout", "multiprocess_launch", "normalize_rules", "packed_axis",
-    "parse_mesh",     "replicated", "rule_axes", "state_shardings", "to_global",
+    "parse_mesh", "replicated", "rule_axes", "state_shardings", "to_global",
 ]

@@ -100,13 +100,17 @@ class Checkpointer:
   def corrupt_directory(self) -> str:
     return self.directory.rstrip("/") + ".corrupt"
 
-  def check_shapes(self, step: int, abstract: TrainState) -> None:
-    """Refuse checkpoint `step` if its arrays' shapes differ from `abstract`'s, naming each such array.
-    Unreadable metadata is left to the restore (it is corruption, not a mismatch)."""
+  def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """The shapes checkpoint `step` holds, from its metadata; empty when that is unreadable (corruption,
+    judged by the restore that follows, not a mismatch)."""
     try:
-      saved = shapes_of(self.manager.item_metadata(step)["state"])
-    except Exception:  # noqa: BLE001 - judged by the restore that follows
-      return
+      return shapes_of(self.manager.item_metadata(step)["state"])
+    except Exception:  # noqa: BLE001 - orbax / tensorstore / JSON errors of damaged files
+      return {}
+
+  def check_shapes(self, step: int, abstract: TrainState) -> None:
+    """Refuse checkpoint `step` if its arrays' shapes differ from `abstract`'s, naming each such array."""
+    saved = self._saved_shapes(step)
     if not saved:
       return
     wanted = shapes_of(abstract.to_dict())
@@ -222,11 +226,7 @@ class Checkpointer:
 
   def _target(self, step: int, wanted: dict) -> tuple[dict, set[str]]:
     """(what to restore checkpoint `step` into, the paths it holds in the old attention layout)."""
-    try:
-      saved = shapes_of(self.manager.item_metadata(step)["state"])
-    except Exception:  # noqa: BLE001 - unreadable metadata is judged by the restore itself
-      return wanted, set()
-    return unpacked_target(saved, wanted, shapes_of(wanted))
+    return unpacked_target(self._saved_shapes(step), wanted)
 
   def reached_preemption(self, step: int) -> bool:
     return self.manager.reached_preemption(step)

@@ -27,11 +27,14 @@ class DigestMismatch(ValueError):
   """A restored checkpoint item whose bytes differ from the digest saved with it."""
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+def leaf_path(path) -> str:
+  """'params/layers/q_lora_a' of a jax tree path (dict keys, sequence indices or attribute names): how
+  digests, and the checkpoint's shape checks, name a state's leaves."""
+  names = []
+  for key in path:
+    attr = next((a for a in ("key", "idx", "name") if hasattr(key, a)), None)
+    names.append(str(getattr(key, attr)) if attr else str(key))
+  return "/".join(names)
 
 
 def _host_bytes(leaf) -> np.ndarray | None:
@@ -57,7 +60,7 @@ def tree_digests(tree) -> dict[str, str | None]:
   values = [_host_bytes(leaf) for _, leaf in leaves]
   with concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
     digests = list(pool.map(lambda v: None if v is None else array_digest(v), values))
-  return {"/".join(_key_name(k) for k in path): d for (path, _), d in zip(leaves, digests)}
+  return {leaf_path(path): d for (path, _), d in zip(leaves, digests)}
 
 
 def data_digest(data_state) -> str:

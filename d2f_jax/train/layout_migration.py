@@ -9,15 +9,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d2f_jax.convert.checkpoint import packed_shape
-
-
-def leaf_path(path) -> str:
-  """'params/layers/q_lora_a' of a jax tree path (dict keys, sequence indices or attribute names)."""
-  names = []
-  for key in path:
-    attr = next((a for a in ("key", "idx", "name") if hasattr(key, a)), None)
-    names.append(str(getattr(key, attr)) if attr else str(key))
-  return "/".join(names)
+from d2f_jax.train.digest import leaf_path
 
 
 def shapes_of(tree) -> dict[str, tuple[int, ...]]:
@@ -34,9 +26,10 @@ def packing_only(saved: dict, wanted: dict) -> bool:
   return bool(differ) and all(packed_shape(k, saved[k]) == wanted[k] for k in differ)
 
 
-def unpacked_target(saved: dict, wanted_tree: dict, wanted: dict) -> tuple[dict, set[str]]:
-  """(the tree to restore into, the paths held in the old layout): those leaves are restored as saved,
-  replicated over the wanted leaf's mesh; the others as wanted."""
+def unpacked_target(saved: dict, wanted_tree: dict) -> tuple[dict, set[str]]:
+  """(the tree to restore into, the paths held in the old layout) for saved shapes ({path: shape}): those
+  leaves are restored as saved, replicated over the wanted leaf's mesh; the others as wanted."""
+  wanted = shapes_of(wanted_tree)
   if not saved or not packing_only(saved, wanted):
     return wanted_tree, set()
   unpacked = {k for k, shape in wanted.items() if saved[k] != shape}
