@@ -1,8 +1,8 @@
 """`bench cost` with the real compilers at a small shape (the 8B tables come from the bench, not from CI): the
 step programs compile for v5e-8 (Mosaic) and H100 (Triton), the compiler reports the Pallas window kernel as
 opaque (custom call, ~0 FLOPs), the kernel (and the in-place cache write) is compiled alone and replaced by
-its formula, and the
-accounted FLOPs of a D2F step agree with the formula's within 1.5x (a width-256 model: its matmuls dominate)."""
+its formula, the embedding gather is compiled alone and charged as its rows, and the accounted FLOPs of a D2F
+step agree with the formula's within 1.5x (a width-256 model: its matmuls dominate)."""
 
 import pytest
 
@@ -38,7 +38,10 @@ def test_step_costs_from_the_real_compiler(target):
     assert SMALL.num_layers * got["kernel"]["flops"] < 0.05 * got["flops"], got
     assert got["flops"] > 0 and got["bytes"] > 0
     accounted = cm.accounted_cost(got, SMALL, shape, mesh_shape)
-    assert accounted["source"] == "compiled + attention formula + cache-write formula"
+    assert accounted["source"] == ("compiled + attention formula + cache-write formula"
+                                   " + embedding-gather formula"), accounted
+    # The gather compiled alone is charged as the table (or more), the formula as its b x n rows.
+    assert got["gather"]["bytes"] > cm.gather_cost(SMALL, shape, mesh_shape)["bytes"], got["gather"]
     assert accounted["flops"] >= attention["flops"]
     formula = cm.formula_cost(SMALL, shape, mesh_shape)
     if kind == "d2f_step":  # 16 tokens x 2 rows: the matmuls dominate, as the formula assumes
