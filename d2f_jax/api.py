@@ -172,7 +172,8 @@ def _flatten(tree: dict, prefix: tuple = ()):
 
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
                allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
-               rules=None, allow_nonfinite: bool = False, format: str | None = None) -> Model:  # noqa: A002
+               rules=None, allow_nonfinite: bool = False, format: str | None = None,  # noqa: A002
+               layer_loop: str | None = None) -> Model:
   """Load a model from a Hugging Face directory (config.json + safetensors), a converted directory, or a
   Hub id ("GSAI-ML/LLaDA-8B-Instruct[@revision]") through the local Hugging Face cache (convert/source.py).
 
@@ -180,6 +181,7 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
   lora_dir: a PEFT adapter directory, merged into the weights (`merge_lora`) or kept as separate LoRA
   parameters (the form the trainer continues from).
   attention: ModelConfig.attention_impl ('auto', 'xla', 'pallas', ...); default keeps the config's.
+  layer_loop: ModelConfig.layer_loop ('auto', 'scan', 'unroll'); default keeps the config's ('auto').
   mesh / rules: place the weights straight into their shardings on this jax Mesh (axes data, fsdp,
   tensor) by these logical-axis rules (default: training's, d2f_jax.sharding.DEFAULT_RULES).
   allow_nonfinite: load weights holding NaN / inf (refused by default, naming the tensor), for forensics.
@@ -203,6 +205,8 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
       lora_cfg = lora_params = None
   if attention is not None:
     config = config.replace(attention_impl=attention)
+  if layer_loop is not None:
+    config = config.replace(layer_loop=layer_loop)
   placement = as_decode_mesh(mesh, rules)
   graphdef, state = model_from_params(config, params, lora_cfg, lora_params, placement=placement)
   tokenizer = load_tokenizer(path)
@@ -215,10 +219,12 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
 
 
 def load_from_flags(args, mesh=None) -> Model:
-  """The model a command line names (--model, --lora_dir, --dtype, --attention; generate, evaluate, serve):
+  """The model a command line names (--model, --lora_dir, --dtype, --attention, --layer_loop; generate,
+  evaluate, serve):
   a model that cannot be loaded is one `error:` line naming --model (exit 2), never a traceback."""
   from d2f_jax.usage import UsageError
   try:
-    return load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh)
+    return load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh,
+                      layer_loop=args.layer_loop)
   except (OSError, ValueError) as e:  # ConvertError is a ValueError
     raise UsageError(f"--model {args.model}: {e}") from None

@@ -63,3 +63,14 @@ def test_cli_device_flags(checkpoint, capsys):
   on_mesh = cli.main(flags + ["--mesh", "tensor=-1"])  # the whole (one-device) machine as a mesh
   assert "on mesh {'data': 1, 'fsdp': 1, 'tensor': 1}" in capsys.readouterr().err
   assert (plain["tokens"], plain["forwards"]) == (on_mesh["tokens"], on_mesh["forwards"])
+  # --layer_loop reaches the model: the scanned cached forward decodes the same text as the unrolled one.
+  with pytest.raises(SystemExit):
+    cli.main(flags + ["--layer_loop", "fori"])
+  capsys.readouterr()
+  cli.main(flags + ["--attention", "xla"])
+  unrolled_text = capsys.readouterr().out
+  scanned = cli.main(flags + ["--attention", "xla", "--layer_loop", "scan"])
+  assert capsys.readouterr().out == unrolled_text
+  assert (scanned["tokens"], scanned["forwards"]) == (plain["tokens"], plain["forwards"])
+  from d2f_jax.api import load_from_flags
+  assert load_from_flags(cli.build_parser().parse_args(flags + ["--layer_loop", "scan"])).config.layer_loop == "scan"

@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "d2f_jax"
 # Units (top-level modules and subpackages of d2f_jax) by floor: a unit may import its own floor's
 # ground-floor units, and anything on a lower floor.
 FLOORS = (
-    ("sharding", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks", "workdir_lock"),
+    ("sharding", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks", "workdir_lock",
+     "compilation_cache"),
     ("kernels",),
     ("models",),
     ("convert",),

@@ -74,7 +74,10 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
   """The compiled cost with what the compiler cannot count replaced by formulas: opaque attention kernels
   (the program less L x the kernel call compiled alone, + attention_cost), the in-place cache write (less
   the write compiled alone, + write_cost) and the embedding gather (less the gather compiled alone, +
-  gather_cost). Without any of them (XLA attention, no cache, costs of an older version) the count stands."""
+  gather_cost). Without any of them (XLA attention, no cache, costs of an older version) the count stands.
+  Not corrected: a D2F step's two row gathers from its logits (decode/pipeline.py), each counted as the whole
+  [b, n, V] array. Harmless to every packaged table (tests/test_bench_cost.py): at the largest compiled batch
+  each D2F step is bound by its FLOPs, and at batch 1 the two arrays are under 2% of the step's bytes."""
   parts = []
   if compiled["opaque"]:
     parts.append(("attention formula", {k: config.num_layers * compiled["kernel"][k] for k in ("flops", "bytes")},

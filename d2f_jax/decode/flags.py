@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from d2f_jax import compilation_cache
 from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig
+from d2f_jax.models.config import LAYER_LOOPS
 from d2f_jax.usage import UsageError
 
 _DEFAULTS = DecodeConfig()
@@ -89,19 +91,26 @@ DISTRIBUTED_CHOICES = ("auto", "on", "off")
 
 
 def add_device_flags(parser) -> None:
-  """Add --attention, --mesh and --distributed (where the decode runs)."""
+  """Add --attention, --layer_loop, --mesh, --distributed (where and how the decode runs) and
+  --compilation_cache."""
   parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
                       help="attention implementation: Pallas kernels on GPU/TPU with 'auto' (the XLA reference on "
                            "CPU), 'xla' everywhere, 'pallas' always")
+  parser.add_argument("--layer_loop", default=None, choices=LAYER_LOOPS,
+                      help="how cached forwards run the layers: 'auto' unrolls them (weights and cache read in place; "
+                           "long compiles on TPU), 'scan' (compiles in seconds; on TPU copies q's and k's weight "
+                           "slices, README: compile times) (default: the model's, 'auto')")
   parser.add_argument("--mesh", default=None,
                       help="decode on a device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; unnamed axes 1, "
                            "one may be -1 = the remaining devices); weights split by training's logical rules")
   parser.add_argument("--distributed", default="auto", choices=DISTRIBUTED_CHOICES,
                       help="jax.distributed.initialize(): 'auto' when the environment shows a multi-process launch")
+  parser.add_argument("--compilation_cache", default="auto", help=compilation_cache.CHOICES_HELP)
 
 
 def setup_devices(args: argparse.Namespace, *, local: bool = False):
-  """Start jax.distributed as --distributed says, then build the --mesh (None without one). `local`: the
+  """Start jax.distributed as --distributed says, turn on the --compilation_cache, then build the --mesh
+  (None without one). `local`: the
   mesh spans this process's devices only (evaluation splits problems across processes instead).
   Call before any other JAX work. A bad flag exits naming it."""
   from d2f_jax import sharding
@@ -114,6 +123,10 @@ def setup_devices(args: argparse.Namespace, *, local: bool = False):
     sharding.maybe_initialize_distributed(args.distributed)
   except RuntimeError as e:
     raise UsageError(f"--distributed {args.distributed}: jax.distributed.initialize() failed: {e}") from e
+  try:
+    compilation_cache.enable(args.compilation_cache)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
   if sizes is None:
     return None
   import jax
