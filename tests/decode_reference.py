@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from d2f_jax.models import logits_for_mode
+from d2f_jax.models import PAD_ID, forward, logits_for_mode
 
 REF_LEN = 64  # fixed model input length (prompt + response must fit)
 
@@ -34,6 +34,39 @@ def _logits(model, seq: np.ndarray, mode: str, prompt_len: int | None = None, bl
   return np.asarray(out[0, :n], np.float32)
 
 
+def _fed_logits(model, seq: np.ndarray, fed: list[int], p: int, bs: int) -> dict[int, np.ndarray]:
+  """Raw output rows {position: [V]} of a block-causal forward over the prompt and the positions `fed`
+  only (the rest of the sequence is left out, not masked), each at its own position."""
+  keep = list(range(p)) + sorted(fed)
+  if len(keep) > REF_LEN:
+    raise ValueError(f"reference sequence of {len(keep)} tokens exceeds REF_LEN={REF_LEN}")
+  tokens = np.full((1, REF_LEN), model.config.pad_token_id, np.int32)
+  positions = np.zeros((1, REF_LEN), np.int32)
+  ids = np.full((1, REF_LEN), PAD_ID, np.int32)
+  for i, pos in enumerate(keep):
+    tokens[0, i], positions[0, i], ids[0, i] = seq[pos], pos, -1 if pos < p else (pos - p) // bs
+  raw, _ = forward(model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(ids))
+  raw = np.asarray(raw[0], np.float32)
+  return {pos: raw[i] for i, pos in enumerate(keep)}
+
+
+def _query_probs(model, seq, states, p, bs, mask_id, query_limit) -> dict[int, np.ndarray]:
+  """Probabilities {position: [V]} of the positions a query-limited step may accept: of each block not
+  cached, its decided positions and first `query_limit` masks are fed (finished blocks: all of it), plus,
+  for shifted logits, the position before each such mask."""
+  fed, candidates = [], []
+  for j, s in enumerate(states):
+    block = range(p + j * bs, p + (j + 1) * bs)
+    masks = [i for i in block if seq[i] == mask_id]
+    candidates += masks[:query_limit]
+    fed += [i for i in block if seq[i] != mask_id] + masks[:query_limit]
+  if model.config.logit_shift:
+    fed += [i - 1 for i in candidates if i - 1 >= p]  # the prompt is always there
+  raw = _fed_logits(model, seq, sorted(set(fed)), p, bs)
+  shift = 1 if model.config.logit_shift else 0
+  return {i: _softmax(raw[i - shift][None])[0] for i in candidates}
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
   z = logits - logits.max(-1, keepdims=True)
   e = np.exp(z)
@@ -51,9 +84,11 @@ def _finish(response: np.ndarray, trace: np.ndarray, stops, pad_id: int, forward
 
 
 def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_add, tau_act, tau_conf,
-        stop_tokens) -> dict:
+        stop_tokens, query_limit=None) -> dict:
   """D2F pipelined decoding (spec section 4) with full block-causal recompute every step.
-  max_blocks_in_flight: None = no cap (the authors' loop)."""
+  max_blocks_in_flight: None = no cap (the authors' loop). query_limit: a block in flight feeds its decided
+  positions and only its first `query_limit` masks (DecodeConfig.query_limit); the forward then holds the
+  prompt, the finished blocks and those positions only."""
   cfg = model.config
   mask_id, bs = cfg.mask_token_id, block_size
   p = len(prompt)
@@ -89,7 +124,10 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
     # activation from the decoded ratio of the previous block (the prompt counts as complete)
     fully = [j == 0 or decoded(j - 1) / bs >= tau_act for j in range(len(states))]
     # 2. one forward over everything
-    probs = _softmax(_logits(model, seq, "block_causal", prompt_len=p, block_size=bs))
+    if query_limit is None:
+      probs = _softmax(_logits(model, seq, "block_causal", prompt_len=p, block_size=bs))
+    else:  # the cached blocks are in the sequence (their K/V is the same recomputed); live ones are cut
+      probs = _query_probs(model, seq, states, p, bs, mask_id, query_limit)
     forwards += 1
     step = forwards - 1
     in_flight = [j for j, s in enumerate(states) if s == "active"]
@@ -100,11 +138,11 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
     # 3. accept per block in flight
     accepted = []
     for j in in_flight:
-      positions = [i for i in range(block(j).start, block(j).stop) if seq[i] == mask_id]
+      positions = [i for i in range(block(j).start, block(j).stop) if seq[i] == mask_id][:query_limit]
       if not positions:
         continue
       choice = {i: int(np.argmax(probs[i])) for i in positions}
-      conf = {i: float(probs[i, choice[i]]) for i in positions}
+      conf = {i: float(probs[i][choice[i]]) for i in positions}
       chosen = [i for i in positions if conf[i] > np.float32(tau_conf)]
       if not chosen and fully[j]:
         chosen = [max(positions, key=lambda i: (conf[i], -i))]  # most confident, first on ties

@@ -104,15 +104,19 @@ def test_stop_token_in_first_block(family):
   assert (np.asarray(result.trace[0, -config.block_size:]) == -1).all()  # the last block was never appended
 
 
-def test_batch_rows_decode_as_alone():
-  model = sharp_model("llada")
-  config = BASE.replace(tau_conf=0.5, tau_add=0.25, tau_act=0.5)
-  batch = generate(model, PROMPTS, config)
-  for b, prompt in enumerate(PROMPTS):
+def assert_rows_decode_as_alone(model, prompts, config):
+  """Each row of a batched decode equals the same prompt decoded alone; returns the batch's result."""
+  batch = generate(model, prompts, config)
+  for b, prompt in enumerate(prompts):
     alone = generate(model, [prompt], config)
     for name in ("tokens", "lengths", "forwards", "trace", "max_in_flight", "semi_steps", "max_accepted"):
       np.testing.assert_array_equal(np.asarray(getattr(batch, name)[b]), np.asarray(getattr(alone, name)[0]),
                                     err_msg=f"{name} row {b}")
+  return batch
+
+
+def test_batch_rows_decode_as_alone():
+  assert_rows_decode_as_alone(sharp_model("llada"), PROMPTS, BASE.replace(tau_conf=0.5, tau_add=0.25, tau_act=0.5))
 
 
 def test_no_recompile_within_a_prompt_bucket():

@@ -86,6 +86,8 @@ _CHILD = textwrap.dedent("""
     case("dream", "t2", impl="interpret_gpu")
     case("dream", "d2t4", impl="interpret_gpu")
     case("llada", "t4", impl="interpret_gpu")
+    case("llada", "d2t4", query_limit=2)  # the query-limited mode's gathers of window columns, rows split
+    case("dream", "t4", impl="interpret_gpu", query_limit=2)
 
     # The interpreted kernels really run per shard (XLA cannot partition a Pallas call): the lowered loop
     # holds a manual (shard_map) region.
@@ -154,7 +156,8 @@ CASES = ([f"llada-{mesh}-d2f-xla" for mesh in ("t2", "t8", "d2", "d2t4")]
          + [f"dream-{mesh}-d2f-xla" for mesh in ("t4", "t8", "d2t4")]
          + ["llada-d2t4-threshold-xla", "dream-t2-ar-xla", "llada-t4-vanilla-xla-steps8",
             "dream-d2t4-dream_vanilla-xla-steps8", "dream-d2-d2f-xla-temperature0.8",
-            "dream-t2-d2f-interpret_gpu", "dream-d2t4-d2f-interpret_gpu", "llada-t4-d2f-interpret_gpu"])
+            "dream-t2-d2f-interpret_gpu", "dream-d2t4-d2f-interpret_gpu", "llada-t4-d2f-interpret_gpu",
+            "llada-d2t4-d2f-xla-query_limit2", "dream-t4-d2f-interpret_gpu-query_limit2"])
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -7,7 +7,8 @@ import pytest
 
 import decode_reference as ref
 from d2f_jax.decode import DecodeConfig, generate, resolve, trace_count
-from d2f_jax.decode.config import check_method_fits, window_widths_for
+from d2f_jax.decode.config import check_method_fits
+from d2f_jax.decode.widths import window_widths_for
 from test_decode import PROMPTS, assert_rows_match, d2f_reference, sharp_model
 
 PAPER = dict(tau_add=0.1, tau_act=0.95, tau_conf=0.9)

@@ -103,6 +103,26 @@ def test_a_full_engine_equals_alone_and_refills_every_slot():
     _check(got, _alone(model, prompt, s), f"request {i}")
 
 
+def test_a_query_limited_engine_decodes_every_request_as_generate_in_that_mode():
+  """The throughput mode (EngineConfig.query_limit) keeps batch invariance: each request equals `generate`
+  alone with the same query_limit, whatever shares the slots."""
+  model = sharp_model("dream")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 2, "query_limit": 2}))
+  settings = SETTINGS[:4]
+  results = engine.complete(PROMPTS[:4], settings)
+  for i, (prompt, s, got) in enumerate(zip(PROMPTS, settings, results)):
+    config = DecodeConfig(method=s.method or "d2f", block_size=ENGINE.block_size,
+                          max_new_tokens=s.max_new_tokens or ENGINE.max_new_tokens, tau_add=s.tau_add,
+                          tau_act=s.tau_act, tau_conf=s.tau_conf, prompt_buckets=8, query_limit=2)
+    result = generate(model, [prompt], config)
+    n = int(result.lengths[0])
+    assert got.tokens == np.asarray(result.tokens[0, :n]).tolist(), i
+    assert (got.forwards, got.trace) == (int(result.forwards[0]), np.asarray(result.trace[0]).tolist()), i
+    assert 0 < got.stats["position_sum"] <= got.forwards * 16, i  # at most the widest window a forward
+  with pytest.raises(ValueError, match="query_limit must be None or a positive int on a 'd2f' engine"):
+    EngineConfig(method="ar", query_limit=2)
+
+
 def test_bad_requests_are_refused_naming_the_field():
   engine = Engine(sharp_model("llada"), ENGINE)
   cases = [(([1] * 21, RequestSettings()), "prompt"), (([], RequestSettings()), "prompt"),

@@ -55,3 +55,24 @@ def test_a_sharded_engine_decodes_every_request_as_one_device_alone():
     assert case["got"] == case["want"], (i, case)
   assert any(len(c["got"]["tokens"]) > 4 for c in out["cases"])  # real answers, several blocks long
   assert out["cache_spec"][1] in ("data", ["data"])  # the slots' KV cache rows are split over the data axis
+
+
+def test_the_ahead_of_time_engine_programs_follow_the_engine_config():
+  """serve/aot.py builds its programs from EngineConfig.decode_config(), as the engine does: an 'ar' engine's
+  advance program carries the AR loop state (it once compiled the D2F one whatever the method), and a
+  query-limited engine's spec carries its limit."""
+  import jax
+  from d2f_jax.decode import baselines, pipeline
+  from d2f_jax.serve import EngineConfig
+  from d2f_jax.serve.aot import engine_programs
+  from d2f_jax.sharding import make_mesh
+  from test_decode import sharp_model
+
+  model = sharp_model("llada")
+  mesh = make_mesh(dict(data=1), jax.devices()[:1])
+  base = dict(slots=2, block_size=4, max_new_tokens=16, max_prompt_len=16, prompt_bucket=8)
+  for method, state_type in (("ar", baselines.ARState), ("d2f", pipeline.D2FState)):
+    _, (params, state, knobs) = engine_programs(model.config, EngineConfig(method=method, **base), mesh)["serve_advance"]
+    assert isinstance(state, state_type), (method, type(state))
+  config = EngineConfig(query_limit=2, **base)
+  assert config.decode_config().query_limit == 2 and config.decode_config().method == "d2f"

@@ -77,7 +77,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def plan(args) -> list[tuple[str, int, dict]]:
   """(model, cache length, StepShape fields) of every program to compile."""
-  from d2f_jax.decode.config import window_widths_for
+  from d2f_jax.decode.widths import window_widths_for
   from d2f_jax.decode.step_programs import KINDS, StepShape
   models = args.model or (TINY["models"] if args.tiny else MODELS)
   lengths = list(TINY["cache_len"]) if args.tiny and args.cache_len == "512,1024" else _ints(args.cache_len, "--cache_len")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from d2f_jax.convert.hf_config import ATTENTION_KEY  # config.json: how a model was trained to attend
+from d2f_jax.decode.widths import query_widths_for, window_widths_for
 from d2f_jax.models import ModelConfig
 
 Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
@@ -51,6 +52,10 @@ class DecodeConfig:
     this tuple that fits, so prompts within a bucket share one compiled program.
   memory_budget_gib: checked before anything compiles (d2f_jax.decode.limits), with the positions the
     model was trained for and the prompt ids.
+  query_limit: a throughput mode of d2f / threshold (decode/query_window.py), None (the default) = off, the
+    authors' loop. With q, a forward feeds of each block in flight only its decided positions and its first
+    q still-masked ones (the later masks are left out of the forward, so they are neither computed nor
+    attended), Fast-dLLM v2's sub-block inside D2F's pipeline: fewer positions a step, different tokens.
   """
 
   method: Method = "d2f"
@@ -69,6 +74,7 @@ class DecodeConfig:
   stop_tokens: tuple[int, ...] | None = None
   prompt_buckets: int | tuple[int, ...] = 64
   memory_budget_gib: float | None = None  # KV cache + weights must fit; None: the decoding devices' memory
+  query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -116,6 +122,12 @@ class DecodeConfig:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
       raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
+    q = self.query_limit
+    if q is not None:
+      if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
+        raise ValueError(f"DecodeConfig.query_limit must be a positive int or None, got {q!r}")
+      if self.method not in ("d2f", "threshold"):
+        raise ValueError(f"DecodeConfig.query_limit is a mode of method 'd2f' / 'threshold', not {self.method!r}")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
       raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
@@ -154,6 +166,8 @@ class DecodeSpec:
   sample: bool  # temperature > 0: sample with top-p instead of argmax
   steps: int
   alg: str
+  query_mode: bool = False  # DecodeConfig.query_limit set: the query-limited forward (its limit is a knob)
+  query_widths: tuple[int, ...] = ()  # query mode: sorted compiled forward widths in positions
 
   @property
   def num_blocks(self) -> int:
@@ -187,6 +201,7 @@ class Knobs:
   stop_ids: jax.Array  # [MAX_STOP_TOKENS] int32, -1 = unused
   block_limit: jax.Array  # int32: response blocks a row may append (its max_new_tokens / block_size)
   in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
+  query_limit: jax.Array  # int32: masks a block in flight feeds per step (query mode); the block size otherwise
 
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
@@ -208,17 +223,6 @@ def stop_ids_for(config: DecodeConfig, model: ModelConfig) -> tuple[int, ...]:
   return tuple(dict.fromkeys(ids))
 
 
-def window_widths_for(widths: tuple[int, ...] | None, window_blocks: int) -> tuple[int, ...]:
-  """The sorted compiled widths (blocks) for a largest window of `window_blocks`: `widths` (default 1 to 4,
-  then 1 + 2^k) cut to the largest window, which is always included.
-
-  Dense where most steps run: on a compute-bound device (a CPU) a step pays for its compiled width, and
-  rounding a 4-block window up to 5 cost the miniature's D2F decode 13 % of its tokens/s."""
-  if widths is None:
-    widths = (1, 2, 3, 4) + tuple(1 + 2 ** k for k in range(max(window_blocks, 1).bit_length()))
-  return tuple(sorted({w for w in widths if w < window_blocks} | {window_blocks}))
-
-
 def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs]:
   """Split a validated user config into the static spec and the traced knobs for `model`; a method that does
   not fit how the model attends (ModelConfig.attention_kind, when known) is refused here, so every caller of
@@ -234,16 +238,19 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   num_blocks = run.max_new_tokens // run.block_size
   cap = num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
   window_blocks = min(cap + 1, num_blocks)
+  widths = window_widths_for(run.window_widths, window_blocks)
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
                     block_size=run.block_size, max_new_tokens=run.max_new_tokens, max_blocks_in_flight=cap,
-                    window_widths=window_widths_for(run.window_widths, window_blocks),
-                    sample=run.temperature > 0.0, steps=steps, alg=run.alg)
+                    window_widths=widths, sample=run.temperature > 0.0, steps=steps, alg=run.alg,
+                    query_mode=run.query_limit is not None,
+                    query_widths=() if run.query_limit is None else query_widths_for(run.block_size, widths))
   stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
                 tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),
                 top_p=jnp.float32(run.top_p), top_k=jnp.int32(run.top_k), stop_ids=jnp.asarray(stop_array, jnp.int32),
-                block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap))
+                block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap),
+                query_limit=jnp.int32(run.block_size if run.query_limit is None else run.query_limit))
   return spec, knobs
 
 

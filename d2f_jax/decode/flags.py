@@ -65,6 +65,9 @@ def add_decode_flags(parser) -> None:
                       help="KV cache + weights must fit this many GiB (default: the decoding devices' memory)")
   parser.add_argument("--stop_tokens", default=None,
                       help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
+  parser.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
+                      help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer "
+                           "positions, other tokens; default: off, the authors' loop)")
 
 
 def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
@@ -81,7 +84,7 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         steps=args.steps, alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
-                        memory_budget_gib=args.memory_budget_gib)
+                        memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e
 

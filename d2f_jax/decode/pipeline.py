@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from d2f_jax.decode import query_window as qw
 from d2f_jax.decode.config import DecodeSpec, Knobs, per_row
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop, row_keys, split_rows
@@ -55,6 +56,7 @@ class D2FState:
   max_accepted: jax.Array  # [B] int32
   in_flight_sum: jax.Array  # [B] int32 blocks in flight summed over the row's forwards
   window_sum: jax.Array  # [B] int32 window width (blocks) summed over the row's forwards
+  position_sum: jax.Array  # [B] int32 positions its forwards computed (the compiled width), summed
 
 
 def _prompt_width(state: D2FState, spec: DecodeSpec) -> int:
@@ -107,7 +109,7 @@ def fresh_state(prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, spec: 
       forwards=zeros, trace=jnp.full((batch, spec.max_new_tokens + spec.window), -1, jnp.int32),
       key=row_keys(key, batch),
       blocks=jnp.zeros((batch, spec.window_blocks), jnp.int32), t=jnp.int32(0), max_in_flight=zeros,
-      semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros)
+      semi_steps=zeros, max_accepted=zeros, in_flight_sum=zeros, window_sum=zeros, position_sum=zeros)
 
 
 def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs: Knobs,
@@ -128,7 +130,10 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   tokens = jnp.concatenate([state.tokens[:, :width], win_tokens[:, :w]], axis=1)  # [B, P + w]
   positions = jnp.concatenate([jnp.maximum(cols - (width - state.prompt_len)[:, None], 0), win_positions[:, :w]],
                               axis=1)
-  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids[:, :w]], axis=1).astype(jnp.int32)
+  win_ids = win_ids[:, :w]
+  if spec.query_mode:  # only block 0's first q positions are fed: the later ones are invisible padding
+    win_ids = jnp.where(jnp.arange(w)[None, :] < per_row(knobs.query_limit, 2), win_ids, PAD_ID)
+  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids], axis=1).astype(jnp.int32)
   hidden, (k, v) = model.hidden_states(tokens, positions, ids, state.cache)  # hidden [B, P + w, E]
   cache = state.cache.write(k, v, ids, jnp.full((batch,), width, jnp.int32))  # the prompt only
   # The head runs on the window and the last prompt row only (Dream's shift takes its output).
@@ -136,8 +141,10 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   logits = align_logits(raw[:, 1:], config, previous=raw[:, 0])  # [B, w, V]
   key, sub = split_rows(state.key, spec.sample)
   choice, confidence = _choose(logits, sub, knobs, spec)
+  if spec.query_mode:  # block 0 is all masks: its first q (the rest, fed as padding here, are not candidates)
+    confidence = jnp.where(jnp.arange(spec.window)[None, :] < per_row(knobs.query_limit, 2), confidence, -jnp.inf)
   state = state.replace(cache=cache, prev_logits=raw[:, 0], key=key)
-  return _advance(state, win_tokens, win_cols, choice, confidence, spec.window_widths[0], knobs, spec)
+  return _advance(state, win_tokens, win_cols, choice, confidence, spec.window_widths[0], w, knobs, spec)
 
 
 def width_index(state: D2FState, spec: DecodeSpec) -> jax.Array:
@@ -168,24 +175,36 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
       return jnp.pad(k, pad), jnp.pad(v, pad), last_row, choice, confidence
     return run
 
-  index = width_index(state, spec)
-  branches = [forward(b) for b in spec.window_widths]
+  if not spec.query_mode:
+    index = width_index(state, spec)
+    branches = [forward(b) for b in spec.window_widths]
+    used = jnp.asarray(spec.window_widths, jnp.int32)[index]
+    positions_used = used * spec.block_size
+  else:  # a throughput mode: only the fed columns, gathered to the front (query_window.py)
+    fed, candidate = qw.fed_columns(tokens, state.cached, state.added, knobs.query_limit, spec)
+    order, rank, count = qw.compaction(fed, ~state.done)
+    window = (tokens, positions, ids, cols, candidate)
+    index = qw.width_index(count, spec)
+    branches = [lambda _, w=w: qw.forward(model, state, window, order, rank, count, w, sub, knobs, spec)
+                for w in spec.query_widths]
+    ids = jnp.where(jnp.arange(spec.window)[None, :] < count[:, None], qw.gather(ids, order), PAD_ID)
+    positions_used = jnp.asarray(spec.query_widths, jnp.int32)[index]
+    used = -(-positions_used // spec.block_size)
   k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1
                                         else jax.lax.switch(index, branches, None))
   cache = state.cache.write(k, v, ids, written)
   prev = jnp.where((written > 0)[:, None], last_row, state.prev_logits)
-  used = jnp.asarray(spec.window_widths, jnp.int32)[index]
   return _advance(state.replace(cache=cache, prev_logits=prev, key=key), tokens, cols, choice, confidence, used,
-                  knobs, spec)
+                  positions_used, knobs, spec)
 
 
 def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Array, confidence: jax.Array,
-             used_blocks, knobs: Knobs, spec: DecodeSpec) -> D2FState:
+             used_blocks, used_positions, knobs: Knobs, spec: DecodeSpec) -> D2FState:
   """Acceptance and block bookkeeping after a forward.
 
   window: [B, W] the widest window's tokens, at buffer columns `cols` [B, W]; choice / confidence: [B, W]
   the chosen ids and their confidences (columns past the forward's width: blocks not yet appended);
-  used_blocks: the forward's width in blocks (diagnostics).
+  used_blocks / used_positions: the forward's width in blocks (rounded up) and positions (diagnostics).
   """
   bs, nk = spec.block_size, spec.window_blocks
   batch = window.shape[0]
@@ -256,7 +275,7 @@ def _advance(state: D2FState, window: jax.Array, cols: jax.Array, choice: jax.Ar
       semi_steps=state.semi_steps + (live & semi),
       max_accepted=keep(jnp.maximum(state.max_accepted, flat.sum(1)), state.max_accepted),
       in_flight_sum=state.in_flight_sum + live * in_flight.sum(1).astype(jnp.int32),
-      window_sum=state.window_sum + live * used_blocks)
+      window_sum=state.window_sum + live * used_blocks, position_sum=state.position_sum + live * used_positions)
 
 
 def running(state: D2FState, spec: DecodeSpec) -> jax.Array:
@@ -270,7 +289,7 @@ def finish(state: D2FState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
   return make_result(response, state.trace[:, :spec.max_new_tokens], knobs.stop_ids, spec.model.pad_token_id,
                      state.forwards, max_in_flight=state.max_in_flight, semi_steps=state.semi_steps,
                      max_accepted=state.max_accepted, in_flight_sum=state.in_flight_sum,
-                     window_sum=state.window_sum)
+                     window_sum=state.window_sum, position_sum=state.position_sum)
 
 
 def settled(state: D2FState, spec: DecodeSpec) -> list[int]:

@@ -23,6 +23,8 @@ class DecodeResult:
     forwards that saw a semi-activated block, most tokens accepted in one step (zero for other methods).
   in_flight_sum / window_sum: [B] d2f: blocks in flight and window width (blocks) summed over the row's
     forwards (divide by `forwards` for the means; zero for other methods).
+  position_sum: [B] d2f: positions its step forwards computed (the compiled width, the prefill's prompt not
+    counted), summed; zero for other methods.
   """
 
   tokens: jax.Array
@@ -35,6 +37,7 @@ class DecodeResult:
   max_accepted: jax.Array
   in_flight_sum: jax.Array
   window_sum: jax.Array
+  position_sum: jax.Array
 
   def to_lists(self) -> list[list[int]]:
     """Generated ids per row, without the padding."""
@@ -52,7 +55,7 @@ def cut_at_stop(response: jax.Array, stop_ids: jax.Array, pad_id: int) -> tuple[
 
 
 def make_result(response, trace, stop_ids, pad_id, forwards, steps=None, max_in_flight=None, semi_steps=None,
-                max_accepted=None, in_flight_sum=None, window_sum=None) -> DecodeResult:
+                max_accepted=None, in_flight_sum=None, window_sum=None, position_sum=None) -> DecodeResult:
   tokens, lengths = cut_at_stop(response, stop_ids, pad_id)
   zeros = jnp.zeros_like(lengths)
   return DecodeResult(tokens=tokens, lengths=lengths, forwards=forwards.astype(jnp.int32),
@@ -61,7 +64,8 @@ def make_result(response, trace, stop_ids, pad_id, forwards, steps=None, max_in_
                       semi_steps=zeros if semi_steps is None else semi_steps,
                       max_accepted=zeros if max_accepted is None else max_accepted,
                       in_flight_sum=zeros if in_flight_sum is None else in_flight_sum,
-                      window_sum=zeros if window_sum is None else window_sum)
+                      window_sum=zeros if window_sum is None else window_sum,
+                      position_sum=zeros if position_sum is None else position_sum)
 
 
 def decoded_prefix(response, mask_token_id: int) -> list[int]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from d2f_jax.decode.config import DecodeConfig, resolve
+from d2f_jax.decode.config import resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.models import KVCache, ModelConfig, Transformer
 from d2f_jax.serve import programs
@@ -58,9 +58,7 @@ def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules
   placement = as_decode_mesh(mesh, rules)
   if placement is None:
     raise ValueError("engine_programs needs a mesh")
-  spec, knobs = resolve(DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=config.max_new_tokens,
-                                     max_blocks_in_flight=config.max_blocks_in_flight,
-                                     temperature=1.0 if config.sampling else 0.0), model_config)
+  spec, knobs = resolve(config.decode_config(), model_config)
   graphdef, params = _abstract_params(model_config, placement)
   state, slot_knobs = jax.eval_shape(lambda: programs.empty_slots(spec, config.slots, config.prompt_width, knobs))
   state, slot_knobs = _slot_shardings((state, slot_knobs), placement, config.slots)

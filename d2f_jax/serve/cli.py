@@ -16,9 +16,11 @@ import socket
 import threading
 
 from d2f_jax.decode.flags import add_device_flags, check_model_flags, setup_devices
+from d2f_jax.serve.config import EngineConfig
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
+_DEFAULTS = EngineConfig()  # every engine flag's default is the dataclass's, never retyped here
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,22 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model", required=True, help="HF or converted model directory, or a Hub id (local cache)")
   p.add_argument("--lora_dir", "--lora", dest="lora_dir", default=None,
                  help="PEFT adapter directory merged into the model (a D2F student), as generate and evaluate take")
-  p.add_argument("--method", default="d2f", choices=("d2f", "ar"),
+  p.add_argument("--method", default=_DEFAULTS.method, choices=("d2f", "ar"),
                  help="d2f (requests may ask for d2f or threshold) or ar (a causal baseline model)")
   p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16; None keeps the checkpoint's")
   p.add_argument("--served_model_name", default=None, help="the name clients send as `model`; None: the --model value")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (localhost only by default)")
   p.add_argument("--port", type=int, default=8000, help="port to listen on")
-  p.add_argument("--slots", type=int, default=32, help="requests decoded at once")
-  p.add_argument("--block_size", type=int, default=32, help="D2F block size, fixed per server")
-  p.add_argument("--max_new_tokens", type=int, default=256, help="the most tokens a request may ask for")
-  p.add_argument("--max_prompt_len", type=int, default=512, help="longer prompts are refused (400)")
-  p.add_argument("--prompt_bucket", type=int, default=64, help="prefill widths are multiples of this")
-  p.add_argument("--steps_per_call", type=int, default=8, help="D2F steps per device call")
-  p.add_argument("--max_insert", type=int, default=8,
+  p.add_argument("--slots", type=int, default=_DEFAULTS.slots, help="requests decoded at once")
+  p.add_argument("--block_size", type=int, default=_DEFAULTS.block_size, help="D2F block size, fixed per server")
+  p.add_argument("--max_new_tokens", type=int, default=_DEFAULTS.max_new_tokens,
+                 help="the most tokens a request may ask for")
+  p.add_argument("--max_prompt_len", type=int, default=_DEFAULTS.max_prompt_len,
+                 help="longer prompts are refused (400)")
+  p.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_bucket,
+                 help="prefill widths are multiples of this")
+  p.add_argument("--steps_per_call", type=int, default=_DEFAULTS.steps_per_call, help="D2F steps per device call")
+  p.add_argument("--max_insert", type=int, default=_DEFAULTS.max_insert,
                  help="requests prefilled together in one call (one program per power of two up to this)")
-  p.add_argument("--queue_size", type=int, default=1024, help="waiting requests beyond the slots (more: 429)")
+  p.add_argument("--queue_size", type=int, default=_DEFAULTS.queue_size,
+                 help="waiting requests beyond the slots (more: 429)")
   p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
+  p.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
+                 help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer positions, "
+                      "other tokens; default: off, the authors' loop)")
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
@@ -50,14 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args):
-  from d2f_jax.serve import EngineConfig
   try:
     return EngineConfig(slots=args.slots, method=args.method, block_size=args.block_size,
                         max_new_tokens=args.max_new_tokens,
                         max_prompt_len=args.max_prompt_len, prompt_bucket=min(args.prompt_bucket,
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
-                        sampling=args.sampling)
+                        sampling=args.sampling, query_limit=args.query_limit)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
 

@@ -25,6 +25,7 @@ class EngineConfig:
   sampling: bool = False  # compile the sampling path (requests may set temperature > 0)
   max_blocks_in_flight: int | None = None  # the engine's cap; None as the paper
   memory_budget_gib: float | None = None
+  query_limit: int | None = None  # d2f throughput mode (DecodeConfig.query_limit); None: the exact loop
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -37,6 +38,19 @@ class EngineConfig:
     if self.max_new_tokens % self.block_size:
       raise ValueError(f"EngineConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of block_size "
                        f"({self.block_size})")
+    if self.query_limit is not None and (isinstance(self.query_limit, bool) or not isinstance(self.query_limit, int)
+                                         or self.query_limit <= 0 or self.method != "d2f"):
+      raise ValueError(f"EngineConfig.query_limit must be None or a positive int on a 'd2f' engine, got "
+                       f"{self.query_limit!r} (method {self.method!r})")
+
+  def decode_config(self):
+    """The DecodeConfig whose static spec every program of this engine runs (its compiled paths: method,
+    shapes, sampling, the throughput mode); requests bring their own thresholds as knobs. The one builder:
+    the engine and its ahead-of-time compile (serve/aot.py) both call it."""
+    from d2f_jax.decode.config import DecodeConfig
+    return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
+                        max_blocks_in_flight=self.max_blocks_in_flight, temperature=1.0 if self.sampling else 0.0,
+                        memory_budget_gib=self.memory_budget_gib, query_limit=self.query_limit)
 
   @property
   def prompt_width(self) -> int:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from d2f_jax.decode import limits
-from d2f_jax.decode.config import DecodeConfig, check_method_fits, model_attention, resolve
+from d2f_jax.decode.config import check_method_fits, model_attention, resolve
 from d2f_jax.serve import programs
 from d2f_jax.serve.background import BackgroundLoop
 from d2f_jax.serve.config import EngineConfig, split_admissions
@@ -41,9 +41,7 @@ class Engine(BackgroundLoop):
   def __init__(self, model, config: EngineConfig = EngineConfig()):
     limits.check_positions(model.config, config.prompt_width, config.max_new_tokens)
     self.model, self.config = model, config
-    base = DecodeConfig(method=config.method, block_size=config.block_size, max_new_tokens=config.max_new_tokens,
-                        max_blocks_in_flight=config.max_blocks_in_flight, temperature=1.0 if config.sampling else 0.0,
-                        memory_budget_gib=config.memory_budget_gib)
+    base = config.decode_config()
     check_method_fits(model.config, base, model_attention(model))
     self.spec, knobs = resolve(base, model.config)
     placement = getattr(model, "placement", None)
@@ -96,7 +94,7 @@ class Engine(BackgroundLoop):
       pass
     found = request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
                           block_size=self.config.block_size, bound=self.config.max_new_tokens,
-                          sampling=self.config.sampling)
+                          sampling=self.config.sampling, query_limit=self.config.query_limit)
     try:
       if len(self._settings_seen) >= 4096:
         self._settings_seen.clear()

@@ -30,6 +30,7 @@ from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state
 from d2f_jax.decode.sampling import row_keys
 from d2f_jax.models import PAD_ID, KVCache
+from d2f_jax.serve.types import STAT_KEYS
 from d2f_jax.sharding import MeshLayout, mesh_layout
 
 
@@ -159,7 +160,6 @@ def readout(state, *, spec: DecodeSpec):
   diagnostics [S] (zero for ar; a few KB, not the cache)."""
   width, n = _prompt_width(state, spec), spec.max_new_tokens
   zeros = jnp.zeros_like(state.forwards)
-  stats = {k: getattr(state, k, zeros) for k in ("max_in_flight", "semi_steps", "max_accepted", "in_flight_sum",
-                                                   "window_sum")}
+  stats = {k: getattr(state, k, zeros) for k in STAT_KEYS}
   return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
               forwards=state.forwards, **stats)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from d2f_jax.decode.config import MAX_STOP_TOKENS, DecodeConfig, Knobs, resolve
-from d2f_jax.serve.types import ENGINE_METHODS, Completion, EventCallback, RequestError, RequestSettings
+from d2f_jax.serve.types import ENGINE_METHODS, STAT_KEYS, Completion, EventCallback, RequestError, RequestSettings
 
 _FIELD = re.compile(r"DecodeConfig\.(\w+)")
 
@@ -55,8 +55,9 @@ def check_prompt(prompt_ids, *, vocab_size: int, max_prompt_len: int) -> np.ndar
 
 
 def request_knobs(settings: RequestSettings, *, model_config, engine_method: str, block_size: int, bound: int,
-                  sampling: bool) -> tuple[int, Knobs, frozenset]:
-  """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone."""
+                  sampling: bool, query_limit: int | None = None) -> tuple[int, Knobs, frozenset]:
+  """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone (with the
+  engine's query_limit, EngineConfig.query_limit)."""
   if not isinstance(settings, RequestSettings):
     raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
   method = settings.method or engine_method
@@ -81,7 +82,7 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
                           temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                          stop_tokens=None if stops is None else tuple(stops))
+                          stop_tokens=None if stops is None else tuple(stops), query_limit=query_limit)
     _, knobs = resolve(config, model_config)
   except (TypeError, ValueError) as e:
     found = _FIELD.search(str(e))
@@ -108,7 +109,6 @@ def completion(read: dict[str, Any], slot: int, n: int, stops: frozenset, reason
   row = read["response"][slot, :n].tolist()
   cut = next((i + 1 for i, tok in enumerate(row) if tok in stops), None)
   tokens = row if cut is None else row[:cut]
-  stats = {k: int(read[k][slot]) for k in ("max_in_flight", "semi_steps", "max_accepted", "in_flight_sum",
-                                           "window_sum")}
+  stats = {k: int(read[k][slot]) for k in STAT_KEYS}
   return Completion(tokens=tokens, forwards=int(read["forwards"][slot]), trace=read["trace"][slot, :n].tolist(),
                     finish_reason=reason or ("stop" if cut is not None else "length"), stats=stats)

@@ -31,6 +31,10 @@ class RequestSettings:
   stop_tokens: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
 
 
+# The per-request d2f diagnostics the engine reads out of its loop state (decode.DecodeResult's fields).
+STAT_KEYS = ("max_in_flight", "semi_steps", "max_accepted", "in_flight_sum", "window_sum", "position_sum")
+
+
 class Completion(NamedTuple):
   """A finished request, field for field what `decode.generate` gives the same request alone."""
 
@@ -38,7 +42,7 @@ class Completion(NamedTuple):
   forwards: int
   trace: list[int]  # [max_new_tokens] step at which each position was accepted, -1 if never
   finish_reason: str  # 'stop', 'length' or 'cancelled'
-  stats: dict  # max_in_flight, semi_steps, max_accepted, in_flight_sum, window_sum
+  stats: dict  # STAT_KEYS: the d2f diagnostics of DecodeResult (zero for ar)
 
 
 class Event(NamedTuple):

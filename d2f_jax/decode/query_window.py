@@ -1,0 +1,91 @@
+"""Query-limited windows (DecodeConfig.query_limit = q): the d2f forward of a throughput mode.
+
+The exact step feeds every column of the window: finished blocks awaiting their cache write, and each block
+in flight whole, masks included. Here a block in flight feeds its decided positions (the context its masks
+are decided from: they are not cached yet) and only its first q still-masked positions, the ones this
+step may accept; its later masks are left out of the forward, neither computed nor attended by anyone
+(Fast-dLLM v2 decodes a block in sub-blocks the same way). Finished blocks are fed whole, as their K/V is
+written. For a model with shifted logits (Dream: position p is predicted from the output at p - 1), the
+position before each fed mask is fed too.
+
+The fed columns are gathered to the front of the window in column order (attention is by block id, so
+order within the window does not matter, and the finished blocks stay first for the cache write); the
+forward runs at the narrowest compiled width in positions (`spec.query_widths`) holding every live row's
+fed columns, and the choices are scattered back to the window's columns for the shared bookkeeping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.decode.config import DecodeSpec, per_row
+from d2f_jax.decode.sampling import choose_tokens
+from d2f_jax.models import PAD_ID
+
+
+def fed_columns(tokens: jax.Array, cached: jax.Array, added: jax.Array, query_limit: jax.Array, spec: DecodeSpec):
+  """(fed, candidate) [B, W] bool over the widest window's columns: what the forward computes, and the
+  masked positions it may accept (each block's first q masks). tokens: [B, W] the window's ids; cached /
+  added: [B] blocks in the cache / appended (the window starts at the first uncached block); query_limit:
+  q, a scalar or one per row [B] (Knobs.query_limit)."""
+  batch = tokens.shape[0]
+  nk, bs = spec.window_blocks, spec.block_size
+  slot = jnp.arange(nk, dtype=jnp.int32)[None, :]  # [1, nk]
+  exists = (cached[:, None] + slot < added[:, None])[..., None]  # [B, nk, 1]
+  masked = (tokens == spec.model.mask_token_id).reshape(batch, nk, bs) & exists  # [B, nk, bs]
+  rank = jnp.cumsum(masked, axis=-1) - 1  # [B, nk, bs] order of each mask in its block
+  candidate = (masked & (rank < per_row(query_limit, 3))).reshape(batch, -1)  # [B, W]
+  fed = (exists & ~masked).reshape(batch, -1) | candidate  # decided positions (finished blocks: all)
+  if spec.model.logit_shift:  # the output at p - 1 predicts p (column 0's is the cache's last row)
+    fed = fed | jnp.pad(candidate[:, 1:], ((0, 0), (0, 1)))
+  return fed, candidate
+
+
+def compaction(fed: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(order, rank, count): order [B, W] the columns with the fed ones first, in column order; rank [B, W]
+  each column's row in that order (its inverse); count [B] fed columns of each live row (0 when done)."""
+  order = jnp.argsort(~fed, axis=1, stable=True).astype(jnp.int32)
+  rank = jnp.argsort(order, axis=1).astype(jnp.int32)
+  return order, rank, jnp.where(live, fed.sum(axis=1), 0).astype(jnp.int32)
+
+
+def width_index(count: jax.Array, spec: DecodeSpec) -> jax.Array:
+  """() int32: the narrowest compiled width (positions) holding every live row's fed columns."""
+  widths = jnp.asarray(spec.query_widths, jnp.int32)
+  return jnp.minimum(jnp.sum(widths < jnp.max(count)), len(spec.query_widths) - 1).astype(jnp.int32)
+
+
+def gather(x: jax.Array, order: jax.Array) -> jax.Array:
+  """x [B, W, ...] -> its columns in `order` [B, W]."""
+  return jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def forward(model, state, window, order, rank, count, width: int, key, knobs, spec: DecodeSpec):
+  """One forward over the first `width` fed columns. window: (tokens, positions, ids, cols, candidate)
+  [B, W] each, the widest window's. Returns k, v [L, B, W, K, D] (fed order, padded), the raw output of the
+  last column written to the cache [B, V], and the choices / confidences [B, W] at the window's columns
+  (confidence -inf off the candidates)."""
+  tokens, positions, ids, _, candidate = window
+  batch, full = tokens.shape
+  row = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, w]
+  real = row < count[:, None]  # [B, w] fed rows; the rest is padding
+  w_order = order[:, :width]
+  w_ids = jnp.where(real, gather(ids, w_order), PAD_ID)  # [B, w]
+  raw, (k, v) = model(gather(tokens, w_order), gather(positions, w_order), w_ids, state.cache)  # raw [B, w, V]
+  written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B] the finished blocks, fed first
+  last_row = jnp.take_along_axis(raw, jnp.maximum(written - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, V]
+  if spec.model.logit_shift:  # row r predicts from the output at its column - 1: fed, or the cache's last
+    column = w_order  # [B, w] window column of each row
+    source = jnp.take_along_axis(rank, jnp.maximum(column - 1, 0), axis=1)  # [B, w] row of column - 1
+    shifted = jnp.take_along_axis(raw, jnp.minimum(source, width - 1)[..., None], axis=1)  # [B, w, V]
+    logits = jnp.where((column == 0)[..., None], state.prev_logits[:, None].astype(raw.dtype), shifted)
+  else:
+    logits = raw
+  choice, confidence, _ = choose_tokens(logits, key, knobs, spec.sample)  # [B, w]
+  confidence = jnp.where(real & gather(candidate, w_order), confidence, -jnp.inf)
+  rows = jnp.arange(batch)[:, None]
+  choice = jnp.full((batch, full), spec.model.mask_token_id, choice.dtype).at[rows, w_order].set(choice)
+  confidence = jnp.full((batch, full), -jnp.inf, confidence.dtype).at[rows, w_order].set(confidence)
+  pad = ((0, 0), (0, 0), (0, full - width), (0, 0), (0, 0))  # [L, B, w, K, D] -> [L, B, W, K, D]
+  return jnp.pad(k, pad), jnp.pad(v, pad), last_row, choice, confidence
