@@ -50,19 +50,32 @@ def _fed_logits(model, seq: np.ndarray, fed: list[int], p: int, bs: int) -> dict
   return {pos: raw[i] for i, pos in enumerate(keep)}
 
 
-def _query_probs(model, seq, states, p, bs, mask_id, query_limit) -> dict[int, np.ndarray]:
-  """Probabilities {position: [V]} of the positions a query-limited step may accept: of each block not
-  cached, its decided positions and first `query_limit` masks are fed (finished blocks: all of it), plus,
-  for shifted logits, the position before each such mask."""
+def _fed(seq, states, p, bs, mask_id, query_limit, config) -> tuple[list[int], list[int]]:
+  """(fed, candidates) of a query-limited step: of each appended block, its decided positions and first
+  `query_limit` masks (finished blocks: all of it), plus, for shifted logits, the position before each mask
+  it may accept; the candidates are those masks."""
   fed, candidates = [], []
-  for j, s in enumerate(states):
+  for j, _ in enumerate(states):
     block = range(p + j * bs, p + (j + 1) * bs)
     masks = [i for i in block if seq[i] == mask_id]
     candidates += masks[:query_limit]
     fed += [i for i in block if seq[i] != mask_id] + masks[:query_limit]
-  if model.config.logit_shift:
+  if config.logit_shift:
     fed += [i - 1 for i in candidates if i - 1 >= p]  # the prompt is always there
-  raw = _fed_logits(model, seq, sorted(set(fed)), p, bs)
+  return sorted(set(fed)), candidates
+
+
+def _fed_count(seq, states, p, bs, mask_id, query_limit, config, window_start) -> int:
+  """Positions the decoder's window feeds: those of the blocks from `window_start` (the first block that was
+  not cached when the step began: the finished ones it caches now are fed whole) on."""
+  fed, _ = _fed(seq, states, p, bs, mask_id, query_limit, config)
+  return sum(i >= p + window_start * bs for i in fed)
+
+
+def _query_probs(model, seq, states, p, bs, mask_id, query_limit) -> dict[int, np.ndarray]:
+  """Probabilities {position: [V]} of the positions a query-limited step may accept (`_fed`)."""
+  fed, candidates = _fed(seq, states, p, bs, mask_id, query_limit, model.config)
+  raw = _fed_logits(model, seq, fed, p, bs)
   shift = 1 if model.config.logit_shift else 0
   return {i: _softmax(raw[i - shift][None])[0] for i in candidates}
 
@@ -84,11 +97,14 @@ def _finish(response: np.ndarray, trace: np.ndarray, stops, pad_id: int, forward
 
 
 def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_add, tau_act, tau_conf,
-        stop_tokens, query_limit=None) -> dict:
+        stop_tokens, query_limit=None, position_budget=None) -> dict:
   """D2F pipelined decoding (spec section 4) with full block-causal recompute every step.
   max_blocks_in_flight: None = no cap (the authors' loop). query_limit: a block in flight feeds its decided
   positions and only its first `query_limit` masks (DecodeConfig.query_limit); the forward then holds the
-  prompt, the finished blocks and those positions only."""
+  prompt, the finished blocks and those positions only. position_budget: each step's q is the largest of
+  block_size, block_size / 2, ... 1 (at most query_limit) whose fed positions fit the budget (1 if none)."""
+  if position_budget is not None and query_limit is None:
+    query_limit = block_size
   cfg = model.config
   mask_id, bs = cfg.mask_token_id, block_size
   p = len(prompt)
@@ -120,14 +136,21 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
       break
     # 5. blocks finished last step get their final K/V in this forward
     window = sum(s in ("to_cache", "active") for s in states)  # blocks this forward computes
+    window_start = sum(s == "cached" for s in states)  # the decoder's window: from the first not cached
     states = ["cached" if s == "to_cache" else s for s in states]
     # activation from the decoded ratio of the previous block (the prompt counts as complete)
     fully = [j == 0 or decoded(j - 1) / bs >= tau_act for j in range(len(states))]
     # 2. one forward over everything
+    q = query_limit  # None: every mask of a block is a candidate
     if query_limit is None:
       probs = _softmax(_logits(model, seq, "block_causal", prompt_len=p, block_size=bs))
     else:  # the cached blocks are in the sequence (their K/V is the same recomputed); live ones are cut
-      probs = _query_probs(model, seq, states, p, bs, mask_id, query_limit)
+      if position_budget is not None and forwards > 0:  # steps only: the first forward is the prefill's
+        rungs = [bs >> k for k in range(bs.bit_length())]  # bs, bs / 2, ..., 1
+        fits = [r for r in rungs if _fed_count(seq, states, p, bs, mask_id, min(query_limit, r), cfg,
+                                               window_start) <= position_budget]
+        q = min(query_limit, fits[0] if fits else 1)
+      probs = _query_probs(model, seq, states, p, bs, mask_id, q)
     forwards += 1
     step = forwards - 1
     in_flight = [j for j, s in enumerate(states) if s == "active"]
@@ -138,7 +161,7 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
     # 3. accept per block in flight
     accepted = []
     for j in in_flight:
-      positions = [i for i in range(block(j).start, block(j).stop) if seq[i] == mask_id][:query_limit]
+      positions = [i for i in range(block(j).start, block(j).stop) if seq[i] == mask_id][:q]
       if not positions:
         continue
       choice = {i: int(np.argmax(probs[i])) for i in positions}

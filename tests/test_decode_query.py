@@ -98,3 +98,33 @@ def test_the_limit_is_a_knob_sweeping_it_never_recompiles():
   assert trace_count("loop") == before
   exact = generate(model, PROMPTS, config)
   np.testing.assert_array_equal(np.asarray(result.trace), np.asarray(exact.trace))
+
+
+def budget_reference(model, prompt, config):
+  run = config.effective()
+  return ref.d2f(model, prompt, block_size=run.block_size, max_new_tokens=run.max_new_tokens,
+                 max_blocks_in_flight=run.max_blocks_in_flight, tau_add=run.tau_add, tau_act=run.tau_act,
+                 tau_conf=run.tau_conf, stop_tokens=_stops(model, run), query_limit=run.query_limit,
+                 position_budget=run.position_budget)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_position_budget_narrows_the_windows_as_the_reference_does(family):
+  """Alone (one row: the budget's sum is its own), each step's q is the largest halving of the block that
+  fits the budget; a budget nothing reaches decodes the exact tokens."""
+  model = sharp_model(family)
+  config = BASE.replace(tau_conf=0.5, tau_add=0.0, tau_act=0.5)
+  narrowed = False
+  for budget in (4, 6, 9):
+    budgeted = config.replace(position_budget=budget)
+    for prompt in PROMPTS:
+      result = generate(model, [prompt], budgeted)
+      want = budget_reference(model, prompt, budgeted)
+      assert_rows_match(result, [want], [prompt])
+      narrowed |= bool((want["trace"] != d2f_reference(model, prompt, config)["trace"]).any())
+  assert narrowed, "no budget narrowed a window: the test could not tell the budget from no budget"
+  roomy = generate(model, PROMPTS, config.replace(position_budget=10 ** 6))
+  exact = generate(model, PROMPTS, config)
+  np.testing.assert_array_equal(np.asarray(roomy.trace), np.asarray(exact.trace))
+  with pytest.raises(ValueError, match="position_budget is a mode of method 'd2f' / 'threshold', not 'ar'"):
+    DecodeConfig(method="ar", max_new_tokens=8, position_budget=8)

@@ -123,6 +123,22 @@ def test_a_query_limited_engine_decodes_every_request_as_generate_in_that_mode()
     EngineConfig(method="ar", query_limit=2)
 
 
+def test_a_position_budget_narrows_the_engine_under_load_and_is_exact_with_room():
+  """With room to spare the budgeted engine decodes the exact tokens (each request as generate alone); with
+  a tight one every request still finishes, at fewer positions per forward."""
+  model = sharp_model("llada")
+  roomy = Engine(model, EngineConfig(**{**ENGINE.__dict__, "position_budget": 10 ** 6}))
+  results = roomy.complete(PROMPTS, SETTINGS)
+  for i, got in enumerate(results):
+    _check(got, _alone(model, PROMPTS[i], SETTINGS[i]), f"request {i}")
+  tight = Engine(model, EngineConfig(**{**ENGINE.__dict__, "position_budget": 4}))
+  narrowed = tight.complete(PROMPTS, SETTINGS)
+  assert all(r.tokens and r.finish_reason in ("stop", "length") for r in narrowed)
+  per_forward = sum(r.stats["position_sum"] for r in narrowed) / sum(r.forwards for r in narrowed)
+  roomy_per_forward = sum(r.stats["position_sum"] for r in results) / sum(r.forwards for r in results)
+  assert per_forward < roomy_per_forward, (per_forward, roomy_per_forward)
+
+
 def test_bad_requests_are_refused_naming_the_field():
   engine = Engine(sharp_model("llada"), ENGINE)
   cases = [(([1] * 21, RequestSettings()), "prompt"), (([], RequestSettings()), "prompt"),

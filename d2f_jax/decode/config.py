@@ -56,6 +56,10 @@ class DecodeConfig:
     authors' loop. With q, a forward feeds of each block in flight only its decided positions and its first
     q still-masked ones (the later masks are left out of the forward, so they are neither computed nor
     attended), Fast-dLLM v2's sub-block inside D2F's pipeline: fewer positions a step, different tokens.
+  position_budget: a throughput mode for load (vLLM's max_num_batched_tokens), None = off. A step whose
+    live rows would feed more positions in all than this narrows every row's q (halving from the block
+    size) until they fit or q is 1; runs the query-limited step (q = the block size without query_limit,
+    the exact tokens while the budget holds). A row's tokens then depend on what shares its batch.
   """
 
   method: Method = "d2f"
@@ -75,6 +79,7 @@ class DecodeConfig:
   prompt_buckets: int | tuple[int, ...] = 64
   memory_budget_gib: float | None = None  # KV cache + weights must fit; None: the decoding devices' memory
   query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
+  position_budget: int | None = None  # d2f: positions a step may feed over the batch; None: no bound
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -122,12 +127,14 @@ class DecodeConfig:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
       raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
-    q = self.query_limit
-    if q is not None:
-      if isinstance(q, bool) or not isinstance(q, int) or q <= 0:
-        raise ValueError(f"DecodeConfig.query_limit must be a positive int or None, got {q!r}")
+    for name in ("query_limit", "position_budget"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"DecodeConfig.{name} must be a positive int or None, got {value!r}")
       if self.method not in ("d2f", "threshold"):
-        raise ValueError(f"DecodeConfig.query_limit is a mode of method 'd2f' / 'threshold', not {self.method!r}")
+        raise ValueError(f"DecodeConfig.{name} is a mode of method 'd2f' / 'threshold', not {self.method!r}")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
       raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
@@ -166,7 +173,8 @@ class DecodeSpec:
   sample: bool  # temperature > 0: sample with top-p instead of argmax
   steps: int
   alg: str
-  query_mode: bool = False  # DecodeConfig.query_limit set: the query-limited forward (its limit is a knob)
+  query_mode: bool = False  # query_limit or position_budget set: the query-limited forward (q is a knob)
+  position_budget: int | None = None  # see DecodeConfig
   query_widths: tuple[int, ...] = ()  # query mode: sorted compiled forward widths in positions
 
   @property
@@ -239,11 +247,12 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   cap = num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
   window_blocks = min(cap + 1, num_blocks)
   widths = window_widths_for(run.window_widths, window_blocks)
+  query_mode = run.query_limit is not None or run.position_budget is not None
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
                     block_size=run.block_size, max_new_tokens=run.max_new_tokens, max_blocks_in_flight=cap,
                     window_widths=widths, sample=run.temperature > 0.0, steps=steps, alg=run.alg,
-                    query_mode=run.query_limit is not None,
-                    query_widths=() if run.query_limit is None else query_widths_for(run.block_size, widths))
+                    query_mode=query_mode, position_budget=run.position_budget,
+                    query_widths=query_widths_for(run.block_size, widths) if query_mode else ())
   stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),

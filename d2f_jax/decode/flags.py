@@ -68,6 +68,9 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
                       help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer "
                            "positions, other tokens; default: off, the authors' loop)")
+  parser.add_argument("--position_budget", type=int, default=_DEFAULTS.position_budget,
+                      help="d2f throughput mode for batches: positions a step may feed over the live rows; beyond "
+                           "it every row's window narrows (tokens then depend on the batch; default: off)")
 
 
 def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
@@ -84,7 +87,8 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         steps=args.steps, alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
-                        memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit)
+                        memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit,
+                        position_budget=args.position_budget)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e
 

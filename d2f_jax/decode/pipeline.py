@@ -181,7 +181,8 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
     used = jnp.asarray(spec.window_widths, jnp.int32)[index]
     positions_used = used * spec.block_size
   else:  # a throughput mode: only the fed columns, gathered to the front (query_window.py)
-    fed, candidate = qw.fed_columns(tokens, state.cached, state.added, knobs.query_limit, spec)
+    q = qw.within_budget(tokens, state.cached, state.added, ~state.done, knobs.query_limit, spec)
+    fed, candidate = qw.fed_columns(tokens, state.cached, state.added, q, spec)
     order, rank, count = qw.compaction(fed, ~state.done)
     window = (tokens, positions, ids, cols, candidate)
     index = qw.width_index(count, spec)

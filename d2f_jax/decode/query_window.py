@@ -42,6 +42,24 @@ def fed_columns(tokens: jax.Array, cached: jax.Array, added: jax.Array, query_li
   return fed, candidate
 
 
+def within_budget(tokens, cached, added, live, query_limit, spec: DecodeSpec) -> jax.Array:
+  """Each row's q for this step under `spec.position_budget`: its own (`query_limit`, scalar or [B]), or the
+  largest of block size, half of it, ... 1 at which the live rows' fed positions sum to the budget or less
+  (1 when none does). The same rule for every row, so a batch narrows together."""
+  if spec.position_budget is None:
+    return query_limit
+  rungs, rung = [], spec.block_size
+  while rung >= 1:
+    rungs.append(rung)
+    rung //= 2
+  chosen = jnp.int32(1)
+  for rung in reversed(rungs[:-1]):  # ascending: the last rung that fits wins
+    fed, _ = fed_columns(tokens, cached, added, jnp.minimum(query_limit, rung), spec)
+    total = jnp.sum(jnp.where(live, fed.sum(axis=1), 0))
+    chosen = jnp.where(total <= spec.position_budget, jnp.int32(rung), chosen)
+  return jnp.minimum(query_limit, chosen)
+
+
 def compaction(fed: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(order, rank, count): order [B, W] the columns with the fed ones first, in column order; rank [B, W]
   each column's row in that order (its inverse); count [B] fed columns of each live row (0 when done)."""

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
                  help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer positions, "
                       "other tokens; default: off, the authors' loop)")
+  p.add_argument("--position_budget", type=int, default=_DEFAULTS.position_budget,
+                 help="d2f throughput mode under load: positions a step may feed over the live slots; beyond it "
+                      "every slot's window narrows (tokens then depend on the load; default: off)")
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
@@ -65,7 +68,8 @@ def _engine_config(args):
                         max_prompt_len=args.max_prompt_len, prompt_bucket=min(args.prompt_bucket,
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
-                        sampling=args.sampling, query_limit=args.query_limit)
+                        sampling=args.sampling, query_limit=args.query_limit,
+                        position_budget=args.position_budget)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
 

@@ -26,6 +26,9 @@ class EngineConfig:
   max_blocks_in_flight: int | None = None  # the engine's cap; None as the paper
   memory_budget_gib: float | None = None
   query_limit: int | None = None  # d2f throughput mode (DecodeConfig.query_limit); None: the exact loop
+  # Positions a step may feed over the live slots (DecodeConfig.position_budget): windows narrow under load.
+  # A request's tokens then depend on what shares the engine; None (the default) keeps them invariant.
+  position_budget: int | None = None
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -38,10 +41,12 @@ class EngineConfig:
     if self.max_new_tokens % self.block_size:
       raise ValueError(f"EngineConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of block_size "
                        f"({self.block_size})")
-    if self.query_limit is not None and (isinstance(self.query_limit, bool) or not isinstance(self.query_limit, int)
-                                         or self.query_limit <= 0 or self.method != "d2f"):
-      raise ValueError(f"EngineConfig.query_limit must be None or a positive int on a 'd2f' engine, got "
-                       f"{self.query_limit!r} (method {self.method!r})")
+    for name in ("query_limit", "position_budget"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0
+                                or self.method != "d2f"):
+        raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
+                         f"(method {self.method!r})")
 
   def decode_config(self):
     """The DecodeConfig whose static spec every program of this engine runs (its compiled paths: method,
@@ -50,7 +55,8 @@ class EngineConfig:
     from d2f_jax.decode.config import DecodeConfig
     return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                         max_blocks_in_flight=self.max_blocks_in_flight, temperature=1.0 if self.sampling else 0.0,
-                        memory_budget_gib=self.memory_budget_gib, query_limit=self.query_limit)
+                        memory_budget_gib=self.memory_budget_gib, query_limit=self.query_limit,
+                        position_budget=self.position_budget)
 
   @property
   def prompt_width(self) -> int:
