@@ -117,6 +117,10 @@ def test_projection_arithmetic():
   ms = {"d2f_step": {2: 10.0, 3: 12.0}, "ar_step": 5.0, "d2f_prefill": 20.0, "ar_prefill": 20.0}
   d2f = {"method": "d2f", "tokens_per_forward": 4.0, "mean_window_blocks": 2.5}
   assert cm.decode_ms(d2f, ms, 256) == pytest.approx(20 + 63 * 11.0)
+  # A throughput mode's window in positions (not whole blocks of the compiled size): 80 positions = 2.5 blocks
+  # of 32; the blocks of the row's own decode (here 16) no longer matter.
+  mode = {"method": "d2f", "tokens_per_forward": 4.0, "mean_window_blocks": 5.0, "mean_window_positions": 80.0}
+  assert cm.decode_ms(mode, ms, 256, block_size=32) == pytest.approx(20 + 63 * 11.0)
   assert cm.decode_ms({"method": "ar", "tokens_per_forward": 1.0}, ms, 256) == pytest.approx(20 + 255 * 5.0)
   assert cm.decode_ms({"method": "vanilla", "tokens_per_forward": 0.5}, ms, 256) is None  # not compiled
   assert cm.crossover(lambda b: 3.0 / b) == "4"  # equal at 3, AR faster from 4

@@ -200,7 +200,9 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
     programs = cost_report.program_rows(group, sheet)
     ms = cost_report.ms_tables(group, sheet)
     fitted = len(ms["compiled"]) >= 2  # tokens/s needs costs at two batches (affine in the rows)
-    methods = cost_report.method_rows(rows, ms, _ints(args.project, "--project"), new) if rows and fitted else []
+    block = group[0]["shape"]["block_size"]
+    methods = (cost_report.method_rows(rows, ms, _ints(args.project, "--project"), new, block)
+               if rows and fitted else [])
     log(f"\n{title}\nper forward (compiler's count; attention by formula where the kernel is opaque):")
     log(format_table(programs))
     if methods:

@@ -154,11 +154,14 @@ def width_ms(ms_by_width: dict[int, float], blocks: float) -> float:
   return (1 - t) * ms_by_width[below] + t * ms_by_width[above]
 
 
-def decode_ms(row: dict, ms: dict, new_tokens: int) -> float | None:
+def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = None) -> float | None:
   """ms to generate `new_tokens` per row with a results row's measured tokens per forward (and window):
   prefill + (N / tokens_per_forward - 1) cached steps; vanilla: N / tokens_per_forward full forwards.
   `ms` maps 'd2f_step' {width: ms}, 'ar_step', 'full_step', 'd2f_prefill', 'ar_prefill' to ms at one batch;
-  a prefill that was not compiled counts 0 (steady-state decoding), a step that was not makes it None."""
+  a prefill that was not compiled counts 0 (steady-state decoding), a step that was not makes it None.
+  The window: the row's `mean_window_positions` over the compiled steps' `block_size` where both are known
+  (a throughput mode's windows are not whole blocks, nor of the compiled block size), else its
+  `mean_window_blocks`."""
   tpf = row.get("tokens_per_forward")
   if not tpf:
     return None
@@ -170,7 +173,9 @@ def decode_ms(row: dict, ms: dict, new_tokens: int) -> float | None:
     return (ms.get("ar_prefill") or 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
   if not ms.get("d2f_step") or None in ms["d2f_step"].values():
     return None
-  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], row["mean_window_blocks"])
+  positions = row.get("mean_window_positions")
+  blocks = positions / block_size if positions and block_size else row["mean_window_blocks"]
+  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], blocks)
 
 
 def crossover(ratio, limit: int = 4096) -> str:

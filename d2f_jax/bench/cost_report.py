@@ -40,22 +40,24 @@ def ms_tables(entries: list[dict], sheet) -> dict[str, dict[int, dict]]:
   return out
 
 
-def tokens_per_s(row: dict, by_batch: dict[int, dict], batch: int, new_tokens: int) -> float | None:
+def tokens_per_s(row: dict, by_batch: dict[int, dict], batch: int, new_tokens: int,
+                 block_size: int | None = None) -> float | None:
   """Projected tokens/s of a results row at `batch`: batch x new_tokens / the decode's ms, each program's
-  ms affine in the rows between the compiled batches."""
+  ms affine in the rows between the compiled batches (block_size: the compiled steps', cm.decode_ms)."""
   first = next(iter(by_batch.values()))
   at = {"d2f_step": {w: cm.affine({b: t["d2f_step"][w] for b, t in by_batch.items()}, batch)
                      for w in first["d2f_step"]}}  # {} when no D2F step was compiled
   for kind in first:
     if kind != "d2f_step":
       at[kind] = cm.affine({b: t[kind] for b, t in by_batch.items()}, batch)
-  ms = cm.decode_ms(row, at, new_tokens)
+  ms = cm.decode_ms(row, at, new_tokens, block_size)
   return None if not ms else 1000 * batch * new_tokens / ms
 
 
-def method_rows(results: list[dict], tables: dict, batches: list[int], new_tokens: int) -> list[dict]:
+def method_rows(results: list[dict], tables: dict, batches: list[int], new_tokens: int,
+                block_size: int | None = None) -> list[dict]:
   """One row per results row: tokens/s at each batch and D2F / AR ('compiled / formula' per cell), and the
-  crossover batch above which AR is faster."""
+  crossover batch above which AR is faster (block_size: the compiled steps', cm.decode_ms)."""
   ar = next((r for r in results if r["method"] == "ar"), None)
   rows = []
   for r in results:
@@ -63,7 +65,7 @@ def method_rows(results: list[dict], tables: dict, batches: list[int], new_token
       continue
     row = {"method": r["method"], "settings": r.get("settings", ""), "tokens/fwd": f"{r['tokens_per_forward']:.2f}",
            "window blocks": f"{r['mean_window_blocks']:.2f}" if r.get("mean_window_blocks") else ""}
-    speed = {s: {b: tokens_per_s(r, tables[s], b, new_tokens) for b in batches} for s in SOURCES}
+    speed = {s: {b: tokens_per_s(r, tables[s], b, new_tokens, block_size) for b in batches} for s in SOURCES}
     for b in batches:
       row[f"tok/s b{b}"] = " / ".join(cm.fmt(speed[s][b], 4) for s in SOURCES)
     base = {s: {b: tokens_per_s(ar, tables[s], b, new_tokens) for b in batches} for s in SOURCES} if ar else None
@@ -72,15 +74,16 @@ def method_rows(results: list[dict], tables: dict, batches: list[int], new_token
         row[f"vs AR b{b}"] = " / ".join(f"{speed[s][b] / base[s][b]:.2f}x" if speed[s][b] and base[s][b] else "-"
                                         for s in SOURCES)
       if r["method"] in ("d2f", "threshold"):
-        row["AR faster from batch"] = " / ".join(_crossover(r, ar, tables[s], new_tokens) for s in SOURCES)
+        row["AR faster from batch"] = " / ".join(_crossover(r, ar, tables[s], new_tokens, block_size)
+                                                 for s in SOURCES)
     rows.append(row)
   columns = list(dict.fromkeys(k for row in rows for k in row))  # tables take their columns from every row
   return [{k: row.get(k, "") for k in columns} for row in rows]
 
 
-def _crossover(row: dict, ar: dict, table: dict, new_tokens: int) -> str:
+def _crossover(row: dict, ar: dict, table: dict, new_tokens: int, block_size: int | None = None) -> str:
   def ratio(b):
-    d2f, base = tokens_per_s(row, table, b, new_tokens), tokens_per_s(ar, table, b, new_tokens)
+    d2f, base = tokens_per_s(row, table, b, new_tokens, block_size), tokens_per_s(ar, table, b, new_tokens)
     return d2f / base if d2f and base else float("nan")
   return "-" if ratio(1) != ratio(1) else cm.crossover(ratio)
 
