@@ -10,6 +10,12 @@ masked-diffusion objective, as a second teacher row.
 
   python -m d2f_jax.main                                   # this config, workdir ./workdir/tiny_e2e
   python -m d2f_jax.main --config configs/tiny_e2e.py:smoke --workdir /tmp/e2e   # a minute, for tests
+  python -m d2f_jax.main --config configs/tiny_e2e.py:long --workdir workdir/tiny_e2e_long   # long answers
+  python -m d2f_jax.main --config configs/tiny_e2e.py:long,smoke --workdir /tmp/e2e_long    # its smoke check
+
+`long`: the authors' shapes in miniature: verbose worked solutions of 4-7 operations (the 64 held-out answers
+average 136 tokens, the longest 193), distilled at block 16 and decoded at block 32 with up to 256 new
+tokens, so a D2F decode pipelines over many blocks.
 """
 
 import ml_collections
@@ -18,12 +24,13 @@ from d2f_jax.train.config import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, smoke=False, llada=False)
+  arg = parse_arg(arg, smoke=False, llada=False, long=False)
   c = ml_collections.ConfigDict()
   c.seed = 0
   # Training problems are drawn from the generator (the held-out ones are never among them); the held-out
   # set is what `python -m d2f_jax.evaluate --task arithmetic` scores (d2f_jax.tasks.arithmetic defaults).
-  c.task = ml_collections.ConfigDict(dict(train=30000, test=256, min_steps=1, max_steps=2))
+  # style: the worked solution's format (d2f_jax.tasks.arithmetic.STYLES); terse is the default run's.
+  c.task = ml_collections.ConfigDict(dict(train=30000, test=256, min_steps=1, max_steps=2, style="terse"))
   c.seq_len = 80
   c.model = ml_collections.ConfigDict(dict(embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32,
                                            mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-6))
@@ -39,10 +46,15 @@ def get_config(arg=None):
   c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32,
                                                decay="cosine"))
   c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="cosine"))  # 0: skipped
-  c.block_size = 8
-  c.max_new_tokens = 40  # longest solution (39 tokens + EOS) in whole blocks
+  c.block_size = 8  # the distillation block (training); decoding too unless decode_block_size is set
+  # The block every decoder runs at; None: block_size (an int reference, so --config.decode_block_size=32 works).
+  c.decode_block_size = ml_collections.FieldReference(None, field_type=int)
+  c.max_new_tokens = 40  # longest solution (39 tokens + EOS) in whole blocks; a multiple of the decode block
   # D2F threshold sweep: (tau_add, tau_act, tau_conf); the first is the paper's default.
   c.d2f_sweep = [(0.1, 0.95, 0.9), (0.3, 0.9, 0.8), (0.5, 0.9, 0.7)]
+  # Throughput modes of the student at the paper's thresholds, (decode block, query_limit) with None = the
+  # default's (decode/query_window.py): extra rows after the d2f sweep. None here: the default run's table.
+  c.mode_sweep = []
   c.threshold_tau_conf = 0.9
   c.max_blocks_in_flight = 0  # 0: no cap (the authors' loop); a cap is a speed option only
   c.eval_batch_size = 1  # the paper's setting
@@ -51,6 +63,8 @@ def get_config(arg=None):
   c.rerun = ""
   if arg.llada:
     c.llada_teacher.steps = 1800
+  if arg.long:
+    _long(c)
   if arg.smoke:
     c.task.update(dict(train=256, test=4))
     c.ar.steps, c.teacher.steps, c.student.steps = 4, 4, 4
@@ -58,4 +72,20 @@ def get_config(arg=None):
     c.llada_teacher.steps = 0
     c.batch_size = 8
     c.d2f_sweep = [(0.1, 0.95, 0.9), (0.5, 0.9, 0.7)]
+    if arg.long:  # two decode blocks and two problems: vanilla runs every step of the untrained models
+      c.max_new_tokens, c.task.test = 64, 2
+      c.mode_sweep = [(None, 4), (16, 4)]
   return c
+
+
+def _long(c: ml_collections.ConfigDict) -> None:
+  """The long-answer variant (module docstring), sized from measured costs on 2 idle CPU cores to about 35
+  minutes (37 at most): a training step at batch 8 takes 0.35 s (ar), 0.39 s (teacher), 0.46 s (student), so
+  the default's step counts train in 20 minutes; evaluation takes about 75 s of compiles and warm-ups plus
+  13-15 s per held-out problem, 10.4 of them in the two vanilla rows (256 full-sequence forwards, decoded
+  twice: the accuracy pass and the timing pass)."""
+  c.task.update(dict(min_steps=4, max_steps=7, style="verbose", test=64))
+  c.seq_len = 304  # the longest training row is 298 tokens (prompt + solution + EOS)
+  c.batch_size = 8  # 8 rows of about 185 tokens: the default's 32 x 49 tokens per step
+  c.block_size, c.decode_block_size, c.max_new_tokens = 16, 32, 256  # the authors' training / decoding blocks
+  c.mode_sweep = [(None, 8), (None, 4), (16, None), (16, 4)]  # sub-blocks of 8 / 4; the training block

@@ -20,7 +20,16 @@ import time
 from d2f_jax.decode.flags import (add_decode_flags, add_device_flags, add_model_flags, check_model_flags,
                                   decode_config_from_flags, setup_devices)
 from d2f_jax.evals.runner import TASKS, WARMUPS
+from d2f_jax.tasks.arithmetic import STYLES, ArithmeticTask
 from d2f_jax.usage import ArgumentParser, UsageError, command
+
+ARITHMETIC = ArithmeticTask().options()  # the task's fields and defaults: one --arithmetic_<field> flag each
+ARITHMETIC_HELP = {"seed": "the generator's seed (the config's seed)",
+                   "train": "training problems drawn first (the held-out ones are the next, unseen ones)",
+                   "test": "held-out problems", "min_steps": "fewest operations in a problem",
+                   "max_steps": "most operations in a problem",
+                   "style": "the worked-solution format trained on (recorded only: prompts and answers are the "
+                            "same in both)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--fewshot_data", default=None, help="draw exemplars from this GSM8K-format file "
                  "(seeded) instead of the built-in ones")
   g.add_argument("--fewshot_seed", type=int, default=1234, help="seed of the --fewshot_data draw")
+  a = p.add_argument_group("arithmetic (the main job's held-out set; defaults: configs/tiny_e2e.py; its :long variant "
+                           "is --arithmetic_min_steps 4 --arithmetic_max_steps 7 --arithmetic_test 64 "
+                           "--arithmetic_style verbose)")
+  for name, value in ARITHMETIC.items():
+    a.add_argument(f"--arithmetic_{name}", type=type(value), default=value,
+                   choices=STYLES if name == "style" else None, help=ARITHMETIC_HELP[name])
   h = p.add_argument_group("humaneval execution")
   h.add_argument("--exec_timeout", type=float, default=10.0, help="seconds per program")
   h.add_argument("--exec_memory_mb", type=int, default=1024, help="memory limit per program")
@@ -68,10 +83,14 @@ _RUNS = itertools.count()
 
 def make_task(args):
   from d2f_jax.evals.runner import make_task as by_name
-  if args.task == "arithmetic":  # the main job's held-out set (d2f_jax.tasks.arithmetic defaults)
+  options = {name: getattr(args, f"arithmetic_{name}") for name in ARITHMETIC}
+  if args.task == "arithmetic":  # the main job's held-out set, the config's task fields as flags
     if args.data:
       raise UsageError("--data is not used by --task arithmetic: its problems come from the task's generator")
-    return by_name("arithmetic")
+    return by_name("arithmetic", **options)
+  changed = [f"--arithmetic_{k}" for k, v in options.items() if v != ARITHMETIC[k]]
+  if changed:
+    raise UsageError(f"{', '.join(changed)} only apply to --task arithmetic, not --task {args.task}")
   if args.task == "gsm8k":
     return by_name("gsm8k", path=args.data, n_shot=args.n_shot, fewshot_path=args.fewshot_data,
                    fewshot_seed=args.fewshot_seed)

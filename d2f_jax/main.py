@@ -38,7 +38,8 @@ def main(argv) -> None:
   from d2f_jax.workdir_lock import WorkdirLocked
   try:
     payload = pipeline.run(_CONFIG.value, _WORKDIR.value)
-  except (WorkdirLocked, pipeline.StageConfigChanged) as e:  # a busy workdir; a finished stage of another config
+  # a busy workdir; a finished stage of another config; a config that cannot run (checked before training)
+  except (WorkdirLocked, pipeline.StageConfigChanged, pipeline.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows

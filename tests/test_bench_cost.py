@@ -15,6 +15,7 @@ import pytest
 
 from d2f_jax.bench import cost, cost_compile, cost_model as cm
 from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.models import ModelConfig
 from d2f_jax import sharding
 
@@ -112,8 +113,8 @@ def test_projection_arithmetic():
   assert cm.affine({1: 2.0, 33: 6.0}, 17) == pytest.approx(4.0)
   with pytest.raises(ValueError, match="two batches"):
     cm.affine({1: 2.0}, 8)
-  assert cm.width_ms({1: 1.0, 2: 2.0, 3: 4.0}, 2.5) == pytest.approx(3.0)
-  assert cm.width_ms({1: 1.0, 2: 2.0}, 7.0) == 2.0  # clamped to the widest compiled
+  assert ms_at_width({1: 1.0, 2: 2.0, 3: 4.0}, 2.5) == pytest.approx(3.0)
+  assert ms_at_width({1: 1.0, 2: 2.0}, 7.0) == 2.0  # clamped to the widest compiled
   ms = {"d2f_step": {2: 10.0, 3: 12.0}, "ar_step": 5.0, "d2f_prefill": 20.0, "ar_prefill": 20.0}
   d2f = {"method": "d2f", "tokens_per_forward": 4.0, "mean_window_blocks": 2.5}
   assert cm.decode_ms(d2f, ms, 256) == pytest.approx(20 + 63 * 11.0)

@@ -8,6 +8,7 @@ import types
 from flax import nnx
 
 from d2f_jax.api import Model
+from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.e2e import ceiling, report
 from d2f_jax.models import Transformer, preset
 
@@ -29,7 +30,7 @@ def test_ceiling_times_the_steps_on_the_run_models_and_sets_each_d2f_row():
     if row["method"] != "d2f":
       assert "ceiling_vs_ar" not in row
       continue
-    at = ceiling.at_width(steps["d2f_step_ms"], row["mean_window_blocks"])
+    at = ms_at_width(steps["d2f_step_ms"], row["mean_window_blocks"])
     assert row["ceiling_vs_ar"] == row["tokens_per_forward"] * steps["ar_step_ms"] / at
   assert ceiling.add_ceiling(rows, {"student": model}, c) == {}  # no AR model: no ceiling
 
@@ -39,7 +40,7 @@ def test_results_md_shows_the_ceiling_beside_the_measured_ratio(tmp_path):
   steps = {"ar_step_ms": 0.41, "d2f_step_ms": {2: 0.9, 3: 1.05}, "repeats": 200, "prompt_width": 64}
   for row in rows:
     if row["method"] == "d2f":
-      row["step_ms_at_width"] = ceiling.at_width(steps["d2f_step_ms"], row["mean_window_blocks"])
+      row["step_ms_at_width"] = ms_at_width(steps["d2f_step_ms"], row["mean_window_blocks"])
       row["ceiling_vs_ar"] = row["tokens_per_forward"] * steps["ar_step_ms"] / row["step_ms_at_width"]
   payload = report.write_results(str(tmp_path), rows, {}, {"block_size": 8, "max_new_tokens": 40}, steps)
   assert payload["ceiling"] == steps

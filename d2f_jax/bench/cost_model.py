@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.e2e import projection
 from d2f_jax.kernels.sharded import plan_heads
 
@@ -141,19 +142,6 @@ def affine(points: dict[int, float], batch: float) -> float | None:
   return points[lo] + (batch - lo) * (points[hi] - points[lo]) / (hi - lo)
 
 
-def width_ms(ms_by_width: dict[int, float], blocks: float) -> float:
-  """ms of a forward at a mean window of `blocks` blocks: linear between the compiled widths around it (a
-  decode mixes those widths), clamped to the compiled range."""
-  widths = sorted(ms_by_width)
-  blocks = min(max(blocks, widths[0]), widths[-1])
-  below = max(w for w in widths if w <= blocks)
-  above = min(w for w in widths if w >= blocks)
-  if above == below:
-    return ms_by_width[below]
-  t = (blocks - below) / (above - below)
-  return (1 - t) * ms_by_width[below] + t * ms_by_width[above]
-
-
 def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = None) -> float | None:
   """ms to generate `new_tokens` per row with a results row's measured tokens per forward (and window):
   prefill + (N / tokens_per_forward - 1) cached steps; vanilla: N / tokens_per_forward full forwards.
@@ -175,7 +163,7 @@ def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = Non
     return None
   positions = row.get("mean_window_positions")
   blocks = positions / block_size if positions and block_size else row["mean_window_blocks"]
-  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * width_ms(ms["d2f_step"], blocks)
+  return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * ms_at_width(ms["d2f_step"], blocks)
 
 
 def crossover(ratio, limit: int = 4096) -> str:

@@ -127,13 +127,10 @@ class DecodeConfig:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
       raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
-    for name in ("query_limit", "position_budget"):
-      value = getattr(self, name)
-      if value is None:
-        continue
-      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    for name, value in (("query_limit", self.query_limit), ("position_budget", self.position_budget)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ValueError(f"DecodeConfig.{name} must be a positive int or None, got {value!r}")
-      if self.method not in ("d2f", "threshold"):
+      if value is not None and self.method not in ("d2f", "threshold"):
         raise ValueError(f"DecodeConfig.{name} is a mode of method 'd2f' / 'threshold', not {self.method!r}")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):

@@ -27,3 +27,17 @@ def query_widths_for(block_size: int, window_widths: tuple[int, ...]) -> tuple[i
   grain = max(block_size // 2, 1)
   fine = range(grain, min(4 * block_size, largest) + 1, grain)
   return tuple(sorted({*fine, *(w * block_size for w in window_widths)}))
+
+
+def ms_at_width(ms_by_width: dict[int, float], blocks: float) -> float:
+  """ms of a forward at a mean window of `blocks` blocks, from ms at compiled widths: linear between the
+  widths around it (a decode mixes those widths), clamped to the compiled range (the one interpolation of
+  bench cost's projections and the miniature's CPU ceiling)."""
+  widths = sorted(ms_by_width)
+  blocks = min(max(blocks, widths[0]), widths[-1])
+  below = max(w for w in widths if w <= blocks)
+  above = min(w for w in widths if w >= blocks)
+  if above == below:
+    return ms_by_width[below]
+  t = (blocks - below) / (above - below)
+  return (1 - t) * ms_by_width[below] + t * ms_by_width[above]

@@ -14,23 +14,25 @@ from __future__ import annotations
 import math
 
 from d2f_jax.decode.step_programs import StepShape, step_program, time_ms
+from d2f_jax.decode.widths import ms_at_width
+from d2f_jax.e2e.evaluation import decode_block_size
+from d2f_jax.e2e.projection import window_blocks
 
 REPEATS = 200
 PROMPT_WIDTH = 64  # the main job's prompt bucket (e2e/evaluation.decode_rows)
 
 
-def step_ms(model, kind: str, width: int, c, repeats: int = REPEATS) -> float:
-  shape = StepShape(kind, batch=1, prompt=PROMPT_WIDTH, new_tokens=c.max_new_tokens, block_size=c.block_size,
+def prompt_width(rows: list[dict]) -> int:
+  """The prompt bucket of the rows' mean prompt (64 for the default task's 26 tokens and the long variant's
+  53), so a task of longer prompts has its steps timed against the cache its rows decoded with."""
+  mean = max((r.get("prompt_tokens_mean") or 0.0 for r in rows), default=0.0)
+  return max(1, -(-int(round(mean)) // PROMPT_WIDTH)) * PROMPT_WIDTH
+
+
+def step_ms(model, kind: str, width: int, c, repeats: int = REPEATS, prompt: int = PROMPT_WIDTH) -> float:
+  shape = StepShape(kind, batch=1, prompt=prompt, new_tokens=c.max_new_tokens, block_size=decode_block_size(c),
                     width=width)
   return time_ms(step_program(model, shape), repeats)
-
-
-def at_width(ms_by_width: dict[int, float], blocks: float) -> float:
-  """ms at a mean window of `blocks` blocks, linear between the two compiled widths around it."""
-  low, high = math.floor(blocks), math.ceil(blocks)
-  if low == high:
-    return ms_by_width[low]
-  return ms_by_width[low] + (blocks - low) * (ms_by_width[high] - ms_by_width[low])
 
 
 def add_ceiling(rows: list[dict], models: dict, c, repeats: int = REPEATS) -> dict:
@@ -39,15 +41,17 @@ def add_ceiling(rows: list[dict], models: dict, c, repeats: int = REPEATS) -> di
   d2f_rows = [r for r in rows if r["method"] == "d2f" and r.get("mean_window_blocks")]
   if not d2f_rows or "ar" not in models or not any(r["method"] == "ar" for r in rows):
     return {}
-  ar_ms = step_ms(models["ar"], "ar_step", 1, c, repeats)
-  blocks = c.max_new_tokens // c.block_size
-  widths = sorted({w for r in d2f_rows for w in (math.floor(r["mean_window_blocks"]),
-                                                 math.ceil(r["mean_window_blocks"])) if 1 <= w <= blocks})
-  d2f_ms = {w: step_ms(models["student"], "d2f_step", w, c, repeats) for w in widths}
+  prompt = prompt_width(rows)
+  ar_ms = step_ms(models["ar"], "ar_step", 1, c, repeats, prompt)
+  block = decode_block_size(c)
+  blocks = c.max_new_tokens // block
+  widths = sorted({min(max(w, 1), blocks) for r in d2f_rows for w in (math.floor(window_blocks(r, block)),
+                                                                      math.ceil(window_blocks(r, block)))})
+  d2f_ms = {w: step_ms(models["student"], "d2f_step", w, c, repeats, prompt) for w in widths}
   for row in d2f_rows:
-    row["step_ms_at_width"] = at_width(d2f_ms, row["mean_window_blocks"])
+    row["step_ms_at_width"] = ms_at_width(d2f_ms, window_blocks(row, block))
     row["ceiling_vs_ar"] = row["tokens_per_forward"] * ar_ms / row["step_ms_at_width"]
-  return {"ar_step_ms": ar_ms, "d2f_step_ms": d2f_ms, "repeats": repeats, "prompt_width": PROMPT_WIDTH}
+  return {"ar_step_ms": ar_ms, "d2f_step_ms": d2f_ms, "repeats": repeats, "prompt_width": prompt}
 
 
 def ceiling_text(rows: list[dict], steps: dict) -> list[str]:

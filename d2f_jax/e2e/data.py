@@ -41,11 +41,11 @@ def encode_rows(problems: list[arithmetic.Problem], seq_len: int) -> tuple[np.nd
 
 
 def write_training_data(path: str, *, seed: int, train: int, test: int, seq_len: int, min_steps: int,
-                        max_steps: int) -> str:
+                        max_steps: int, style: str = "terse") -> str:
   """The training split as npz (tokens, prompt_len), written atomically once."""
   if os.path.exists(path):
     return path
-  problems, _ = arithmetic.split(seed, train, test, min_steps=min_steps, max_steps=max_steps)
+  problems, _ = arithmetic.split(seed, train, test, min_steps=min_steps, max_steps=max_steps, style=style)
   tokens, prompt_len = encode_rows(problems, seq_len)
   fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp.npz", dir=os.path.dirname(path) or ".")
   with os.fdopen(fd, "wb") as f:

@@ -30,9 +30,17 @@ MODEL_NAMES = {"teacher": "teacher: Dream layout, AR -> MDM", "student": "D2F st
                "ar": "AR: Dream layout, causal", "llada_teacher": "teacher: LLaDA layout, MDM from scratch"}
 
 
+def decode_block_size(c) -> int:
+  """The block every decoder runs at: `decode_block_size`, or the training `block_size` when it is None or
+  absent (the authors distill at block 16 and decode at 32). `c`: a ConfigDict, a plain dict (results.json's
+  config) or any object with those attributes."""
+  field = c.get if hasattr(c, "get") else (lambda key: getattr(c, key, None))
+  return field("decode_block_size") or field("block_size")
+
+
 def decode_rows(c, models: dict) -> list[tuple[str, str, str, DecodeConfig]]:
   """(method, model role, settings text, DecodeConfig) for every row of the comparison."""
-  common = dict(block_size=c.block_size, max_new_tokens=c.max_new_tokens, prompt_buckets=64)
+  common = dict(block_size=decode_block_size(c), max_new_tokens=c.max_new_tokens, prompt_buckets=64)
   n = c.max_new_tokens
   cap = c.max_blocks_in_flight or None
   rows = []
@@ -47,6 +55,13 @@ def decode_rows(c, models: dict) -> list[tuple[str, str, str, DecodeConfig]]:
     rows.append(("d2f", "student", f"add={tau_add} act={tau_act} conf={tau_conf}",
                  DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf,
                               max_blocks_in_flight=cap, **common)))
+  tau_add, tau_act, tau_conf = c.d2f_sweep[0]  # the throughput modes run at the paper's thresholds
+  for block, query_limit in c.get("mode_sweep", ()):
+    mode = {"block_size": block or common["block_size"], "query_limit": query_limit}
+    label = " ".join(f"{key}={value}" for key, value in (("block", block), ("q", query_limit)) if value)
+    rows.append(("d2f", "student", f"add={tau_add} act={tau_act} conf={tau_conf} {label}",
+                 DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf,
+                              max_blocks_in_flight=cap, **{**common, **mode})))
   rows.append(("ar", "ar", "KV cache", DecodeConfig(method="ar", **common)))
   return rows
 
@@ -58,16 +73,21 @@ def standard_error(percent: float, total: int) -> float:
 
 
 def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batch: int = 32) -> dict:
-  """Mean blocks in flight and mean window width (blocks) per forward, over all forwards of all prompts."""
+  """Mean blocks in flight, window width (blocks, rounded up) and positions computed per forward, over all
+  forwards of all prompts (a batch's forwards: positions are the widths compiled for the batch, so a
+  throughput mode's row is measured alone, at batch 1, where its narrower windows show)."""
   if config.method not in ("d2f", "threshold"):
-    return {"mean_in_flight": None, "mean_window_blocks": None}
-  forwards = flight = window = 0
+    return {"mean_in_flight": None, "mean_window_blocks": None, "mean_window_positions": None}
+  batch = 1 if config.query_limit is not None or config.position_budget is not None else batch
+  forwards = flight = window = positions = 0
   for i in range(0, len(prompts), batch):
     result = generate(model, prompts[i:i + batch], config)
     forwards += int(np.asarray(result.forwards).sum())
     flight += int(np.asarray(result.in_flight_sum).sum())
     window += int(np.asarray(result.window_sum).sum())
-  return {"mean_in_flight": flight / forwards, "mean_window_blocks": window / forwards}
+    positions += int(np.asarray(result.position_sum).sum())
+  return {"mean_in_flight": flight / forwards, "mean_window_blocks": window / forwards,
+          "mean_window_positions": positions / forwards}
 
 
 class _Bar:

@@ -28,7 +28,7 @@ from d2f_jax.e2e import ceiling, evaluation, report
 from d2f_jax.reporting import write_json
 from d2f_jax.evals.runner import encode_prompts
 from d2f_jax.tasks import tokenizer as tokenizer_lib
-from d2f_jax.tasks.arithmetic import ArithmeticTask
+from d2f_jax.tasks.arithmetic import STYLES, ArithmeticTask
 from d2f_jax.train import config as train_config
 from d2f_jax.train.trainer import Trainer
 
@@ -106,6 +106,28 @@ def mark_attention(export_dir: str, kind: str) -> None:
 
 class StageConfigChanged(ValueError):
   """A finished stage whose recorded config differs from the requested one; names the differing fields."""
+
+
+class ConfigError(ValueError):
+  """A main-job config that cannot run, caught before any stage trains (not 40 minutes into the run)."""
+
+
+def check_config(c) -> None:
+  """Refuse, naming the field, what would only fail at evaluation: the decode block and max_new_tokens."""
+  block = evaluation.decode_block_size(c)
+  if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or c.max_new_tokens % block:
+    raise ConfigError(f"config.max_new_tokens ({c.max_new_tokens}) must be a multiple of the decode block "
+                      f"({block!r}: config.decode_block_size, or config.block_size when that is None), which must "
+                      "be a positive int")
+  style = c.task.get("style", "terse")
+  if style not in STYLES:
+    raise ConfigError(f"config.task.style must be one of {STYLES}, got {style!r}")
+
+
+def data_identity(c) -> dict:
+  """The training data's fields; task.style is left out at its default, so older finished stages are reused."""
+  task = {k: v for k, v in c.task.to_dict().items() if not (k == "style" and v == "terse")}
+  return {"seed": c.seed, "task": task, "seq_len": c.seq_len}
 
 
 PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are, not what was trained
@@ -193,7 +215,7 @@ def train_stage(name: str, config, workdir: str, identity: dict | None = None, r
 def held_out_task(c) -> ArithmeticTask:
   """The evaluation split of the config's task (the same seed and sizes as the training data)."""
   return ArithmeticTask(seed=c.seed, train=c.task.train, test=c.task.test, min_steps=c.task.min_steps,
-                        max_steps=c.task.max_steps)
+                        max_steps=c.task.max_steps, style=c.task.get("style", "terse"))
 
 
 def stages(c) -> list[tuple[str, str, dict]]:
@@ -220,6 +242,7 @@ def run(c, workdir: str) -> dict:
 
 
 def _run(c, workdir: str) -> dict:
+  check_config(c)
   os.makedirs(workdir, exist_ok=True)
   data_dir = os.path.join(workdir, "data")
   os.makedirs(data_dir, exist_ok=True)
@@ -227,7 +250,7 @@ def _run(c, workdir: str) -> dict:
   tokenizer_dir = data_lib.write_tokenizer(os.path.join(data_dir, "tokenizer"))
   data_path = data_lib.write_training_data(
       os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
-      min_steps=c.task.min_steps, max_steps=c.task.max_steps)
+      min_steps=c.task.min_steps, max_steps=c.task.max_steps, style=c.task.get("style", "terse"))
   exports, summaries, identities = {}, {}, {}
   plan = stages(c)
   rerun = {s.strip() for s in str(c.get("rerun", "") or "").split(",") if s.strip()}
@@ -235,7 +258,7 @@ def _run(c, workdir: str) -> dict:
   if unknown:
     raise StageConfigChanged(f"config.rerun names unknown stage(s) {sorted(unknown)}; stages: "
                              f"{[name for name, _, _ in plan]} (or 'all')")
-  data_fields = {"seed": c.seed, "task": c.task.to_dict(), "seq_len": c.seq_len}
+  data_fields = data_identity(c)
   for i, (name, what, kw) in enumerate(plan):
     kw = dict(kw)
     init = kw.pop("init", None)
@@ -267,9 +290,10 @@ def _trace_picture(c, student, workdir: str) -> None:
   """Decode the first held-out problem with the paper's default thresholds and draw when each token landed."""
   item = held_out_task(c).load(1)[0]
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
-  dc = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
+  block = evaluation.decode_block_size(c)
+  dc = DecodeConfig(method="d2f", block_size=block, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
                     tau_act=tau_act, tau_conf=tau_conf, max_blocks_in_flight=c.max_blocks_in_flight or None)
   result = generate(student, encode_prompts(student, [item]), dc, key=jax.random.key(c.seed))
-  report.plot_trace(workdir, jax.device_get(result.trace)[0], c.block_size,
+  report.plot_trace(workdir, jax.device_get(result.trace)[0], block,
                     f"D2F student, one held-out problem: {int(result.forwards[0])} forwards for "
                     f"{int(result.lengths[0])} tokens (paper thresholds)")

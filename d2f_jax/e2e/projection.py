@@ -36,6 +36,14 @@ def forward_cost(config: ModelConfig, n: float, c: float) -> tuple[float, float]
   return flops, BYTES * (matmul + n * config.embed_dim + kv)
 
 
+def window_blocks(row: dict, block_size: int) -> float:
+  """A d2f / threshold row's mean window in blocks of `block_size` (the decode block of the run): its measured
+  positions per forward where the row has them (a throughput mode: not whole blocks, maybe of another block
+  size), else its window blocks."""
+  positions = row.get("mean_window_positions")
+  return positions / block_size if positions else row["mean_window_blocks"]
+
+
 def forward_shape(row: dict, block_size: int, max_new_tokens: int) -> tuple[float, float]:
   """(n, c) of a row's mean forward: the measured window (d2f, threshold), the whole sequence without a
   cache (vanilla, dream_vanilla) or one token (ar); c = the prompt plus half the response."""
@@ -44,7 +52,7 @@ def forward_shape(row: dict, block_size: int, max_new_tokens: int) -> tuple[floa
     return prompt + max_new_tokens, 0.0
   if row["method"] == "ar":
     return 1.0, prompt + max_new_tokens / 2
-  return row["mean_window_blocks"] * block_size, prompt + max_new_tokens / 2
+  return window_blocks(row, block_size) * block_size, prompt + max_new_tokens / 2
 
 
 def project(rows: list[dict], block_size: int, max_new_tokens: int, config: ModelConfig = LLADA_8B) -> list[dict]:

@@ -8,13 +8,16 @@ import numpy as np
 
 from d2f_jax.reporting import environment, format_table
 from d2f_jax.e2e import ceiling, projection
+from d2f_jax.e2e.evaluation import decode_block_size
 from d2f_jax.reporting import write_json, write_text
 
 # (column title, row key, format)
 TABLE = [("method", "method", "{}"), ("model", "model", "{}"), ("settings", "settings", "{}"),
          ("exact match %", None, None), ("tokens/s", "tokens_per_s", "{:.0f}"),
          ("tokens/fwd", "tokens_per_forward", "{:.2f}"), ("blocks in flight", "mean_in_flight", "{:.2f}"),
-         ("window blocks", "mean_window_blocks", "{:.2f}"), ("ms/fwd", "ms_per_forward", "{:.3f}"),
+         ("window blocks", "mean_window_blocks", "{:.2f}"),
+         ("positions computed per accepted token", "positions_per_token", "{:.2f}"),
+         ("ms/fwd", "ms_per_forward", "{:.3f}"),
          ("vs AR", "speedup_vs_ar", "{:.2f}x"), ("CPU ceiling vs AR", "ceiling_vs_ar", "{:.2f}x"),
          ("vs threshold", "speedup_vs_threshold", "{:.2f}x")]
 TABLE_COLUMNS = [title for title, _, _ in TABLE]
@@ -38,9 +41,27 @@ def table_rows(rows: list[dict]) -> list[dict]:
   return out
 
 
+def add_positions(rows: list[dict], block_size: int, max_new_tokens: int) -> list[dict]:
+  """Set each row's `positions_per_token`: positions a forward computes / tokens it accepts, the work D2F
+  spends per token (the window for d2f and threshold, the whole sequence for vanilla, 1 for AR)."""
+  for row in rows:
+    if row["method"] == "ar":
+      row["positions_per_token"] = 1.0
+    elif row.get("tokens_per_forward") and row.get("mean_window_positions"):  # measured (d2f, threshold)
+      row["positions_per_token"] = row["mean_window_positions"] / row["tokens_per_forward"]
+    elif row.get("tokens_per_forward") and (row["method"] not in ("d2f", "threshold")
+                                            or row.get("mean_window_blocks")):
+      n, _ = projection.forward_shape(row, block_size, max_new_tokens)
+      row["positions_per_token"] = n / row["tokens_per_forward"]
+    else:
+      row["positions_per_token"] = None
+  return rows
+
+
 def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict, steps: dict | None = None) -> dict:
   """results.json and results.md; `steps`: the step timings behind the CPU ceiling (e2e/ceiling.py)."""
-  block, new = config["block_size"], config["max_new_tokens"]
+  block, new = decode_block_size(config), config["max_new_tokens"]
+  add_positions(rows, block, new)
   projected = projection.project(rows, block, new)
   payload = {"rows": rows, "projection": projected, "stages": stages, "config": config, "environment": environment(),
              "ceiling": steps or {}}
@@ -51,14 +72,16 @@ def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict, st
       "# D2F in miniature: results", "",
       f"{total} held-out arithmetic problems, exact match of the final answer (+- one binomial standard error). "
       f"Measured on {env['device']} ({env['cpus']} CPUs), batch 1, greedy, compile time excluded; "
-      f"block {block}, at most {new} new tokens.", "",
+      f"block {block}{_trained_at(config, block)}, at most {new} new tokens.", "",
       "tokens/s = generated tokens (up to the stop token) / wall time of the generate calls, timed in one pass "
       "after the accuracy pass with every prompt decoded by every row in turn, so a busier moment of the machine "
       "slows all rows alike (each row's harness results.json under eval/ has its own, separately timed speed); "
       "tokens/fwd = the same "
       "tokens / model forwards; blocks in flight = blocks still decoding per forward (d2f, threshold); window "
       "blocks = width of the forward's window in blocks (the blocks in flight plus finished ones whose cache it "
-      "writes); ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
+      "writes); positions computed per accepted token = positions a forward computes / tokens/fwd (d2f, threshold: "
+      "the compiled window width, measured; vanilla: the whole sequence, prompt + new tokens; ar: 1); "
+      "ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
       "ratios to the AR row and the teacher's threshold row of this run; CPU ceiling vs AR = tokens/fwd x AR step ms "
       "/ D2F step ms at the row's window, both steps timed in this run (below).", "",
       "```", format_table(table_rows(rows), TABLE_COLUMNS), "```", "", *ceiling.ceiling_text(rows, steps or {}),
@@ -84,6 +107,12 @@ def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict, st
             "and its EOS."]
   _atomic_write(os.path.join(out_dir, "results.md"), "\n".join(lines) + "\n")
   return payload
+
+
+def _trained_at(config: dict, block: int) -> str:
+  """' (distilled at block 16)' where the decode block differs from the training one, else nothing."""
+  trained = config.get("block_size")
+  return f" (distilled at block {trained})" if trained and trained != block else ""
 
 
 def _label(row: dict) -> str:

@@ -3,6 +3,14 @@
 Each problem chains 1-4 operations (a configurable range) on one quantity (buy, give away, boxes of,
 double, share) with small numbers, so a model of a few hundred thousand parameters can learn it on a
 CPU in minutes, while the worked solution (one equation per step, then "So the answer is N.") spans several decoding blocks.
+
+Two solution styles over the same problems (the same seed draws the same numbers and questions in both):
+  terse (the default, the main job's): "5 + 3 = 8. 8 * 2 = 16. So the answer is 16."
+  verbose (long answers, for pipelining over many blocks): the start state, then per step the question's
+    sentence, its equation and the new state: "Tom has 5 apples. Then gets 3 more apples. 5 + 3 = 8. Tom has
+    8 apples. Then the number doubles. 8 * 2 = 16. Tom has 16 apples. So the answer is 16." Every equation's
+    operands sit in the sentences just before it, so a long chain stays learnable by a tiny model; the only
+    far look-up is which question sentence comes next. Only words the tokenizer already has are used.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import numpy as np
 
 NAMES = ("Tom", "Ann", "Ben", "Lia", "Sam", "Eva", "Max", "Zoe")
 ITEMS = ("apples", "pens", "cards", "eggs", "books", "coins", "shells", "stamps")
+STYLES = ("terse", "verbose")  # worked-solution formats; terse is the default (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,27 +54,32 @@ def _step(rng: np.random.Generator, value: int, item: str) -> tuple[str, str, in
       return f"Then gives half of the {item} away.", f"{value} / 2 = {value // 2}.", value // 2
 
 
-def make_problem(rng: np.random.Generator, min_steps: int = 2, max_steps: int = 4) -> Problem:
+def make_problem(rng: np.random.Generator, min_steps: int = 2, max_steps: int = 4, style: str = "terse") -> Problem:
+  """One problem; `style` changes only the solution's text, never the random draws (so the problems match)."""
   name = NAMES[rng.integers(len(NAMES))]
   item = ITEMS[rng.integers(len(ITEMS))]
   value = int(rng.integers(2, 20))
   question = [f"{name} has {value} {item}."]
-  solution = []
+  verbose = style == "verbose"
+  solution = [question[0]] if verbose else []
   for _ in range(int(rng.integers(min_steps, max_steps + 1))):
     q, s, value = _step(rng, value, item)
     question.append(q)
-    solution.append(s)
+    solution += [q, s, f"{name} has {value} {item}."] if verbose else [s]
   question.append(f"How many {item} does {name} have now?")
   solution.append(f"So the answer is {value}.")
   return Problem(" ".join(question), " ".join(solution), value)
 
 
-def make_problems(count: int, seed: int, *, min_steps: int = 2, max_steps: int = 4) -> list[Problem]:
+def make_problems(count: int, seed: int, *, min_steps: int = 2, max_steps: int = 4, style: str = "terse"
+                  ) -> list[Problem]:
   """`count` problems, identical for the same seed on every machine (numpy's PCG64 stream)."""
   if count < 0 or not 1 <= min_steps <= max_steps:
     raise ValueError(f"need count >= 0 and 1 <= min_steps <= max_steps, got {count}, {min_steps}, {max_steps}")
+  if style not in STYLES:
+    raise ValueError(f"style must be one of {STYLES}, got {style!r}")
   rng = np.random.default_rng(seed)
-  return [make_problem(rng, min_steps, max_steps) for _ in range(count)]
+  return [make_problem(rng, min_steps, max_steps, style) for _ in range(count)]
 
 
 def split(seed: int, train: int, test: int, **kw) -> tuple[list[Problem], list[Problem]]:
@@ -97,9 +111,9 @@ def extract_answer(text: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _held_out(seed: int, train: int, test: int, min_steps: int, max_steps: int) -> tuple[Problem, ...]:
+def _held_out(seed: int, train: int, test: int, min_steps: int, max_steps: int, style: str) -> tuple[Problem, ...]:
   """The held-out problems of a split, drawn once per process (every decoding row reads them)."""
-  return tuple(split(seed, train, test, min_steps=min_steps, max_steps=max_steps)[1])
+  return tuple(split(seed, train, test, min_steps=min_steps, max_steps=max_steps, style=style)[1])
 
 
 @dataclasses.dataclass
@@ -107,7 +121,8 @@ class ArithmeticTask:
   """The held-out split as an evaluation task (the protocol of `d2f_jax.evals.runner`).
 
   The defaults are the main job's (configs/tiny_e2e.py: seed 0, 30000 training problems, 256 held out,
-  1-2 operations), so `python -m d2f_jax.evaluate --task arithmetic` scores the set its table reports.
+  1-2 operations, terse solutions), so `python -m d2f_jax.evaluate --task arithmetic` scores the set its table
+  reports; `style` only changes the solutions, so the prompts and answers are the same in both styles.
   """
 
   seed: int = 0
@@ -115,12 +130,13 @@ class ArithmeticTask:
   test: int = 256
   min_steps: int = 1
   max_steps: int = 2
+  style: str = "terse"
 
   name = "arithmetic"
   metric = "exact_match"
 
   def load(self, limit: int | None = None) -> list[dict]:
-    held_out = _held_out(self.seed, self.train, self.test, self.min_steps, self.max_steps)
+    held_out = _held_out(self.seed, self.train, self.test, self.min_steps, self.max_steps, self.style)
     return [{"id": f"arithmetic/{i}", "prompt": prompt_text(p.question), "target": p.answer}
             for i, p in enumerate(held_out[:limit])]
 
