@@ -150,6 +150,22 @@ def test_cli_on_the_cpu_compiler_prints_projections_and_reuses_its_cache(tmp_pat
     assert d2f[f"vs AR b{b}"].count("x") == 2
   assert " / " in d2f["AR faster from batch"]
   assert methods[("vanilla", "LLaDA semi-AR, 40 steps")]["tok/s b1"] == " / "  # full_step not compiled
+  assert report["frontier"] == []  # the fixture's rows carry no DecodeConfig: no exact D2F row to hold modes to
+
+  # --frontier with rows that record their DecodeConfig (as the miniature writes them): one row a batch.
+  results = json.loads(FIXTURE.read_text())
+  paper = {"tau_add": 0.1, "tau_act": 0.95, "tau_conf": 0.9, "query_limit": None, "position_budget": None,
+           "max_blocks_in_flight": None}
+  for r in results["rows"]:
+    if r["method"] == "d2f":
+      r["decode"] = paper if r["settings"] == "add=0.1 act=0.95 conf=0.9" else {**paper, "tau_add": 0.5}
+  (tmp_path / "modes.json").write_text(json.dumps(results))
+  argv[argv.index(str(FIXTURE))] = str(tmp_path / "modes.json")
+  assert cost.main(argv + ["--frontier"]) == 0
+  assert "frontier (the fastest mode within one standard error" in capsys.readouterr().out
+  frontier = json.loads((tmp_path / "out.json").read_text())["frontier"]
+  assert [(r["target"], r["batch"]) for r in frontier] == [("cpu", b) for b in (1, 8, 32, 128)]
+  assert all(r["tok_s_compiled"] > 0 and r["ar_tok_s_compiled"] > 0 for r in frontier)
   # Every row has every column (a table printed from rows takes them all; vanilla rows first lack the crossover).
   assert len({tuple(m) for m in table["methods"]}) == 1 and "AR faster from batch" in first
   assert cost.main(argv) == 0  # everything from the cache now
@@ -209,3 +225,32 @@ def test_the_uncorrected_logits_row_gathers_move_no_packaged_projection():
           assert 2 * rows * shape.tokens * vocab * 4 < 0.02 * accounted["bytes"], where
         checked += 1
   assert checked >= 2 * 2 * 2 * 2, checked  # GPU targets x models x cache lengths x batches, at least
+
+
+def test_the_frontier_takes_the_fastest_mode_within_one_standard_error_of_exact_d2f():
+  from d2f_jax.bench import cost_report
+  step = {"d2f_step": {1: 4.0, 2: 6.0, 3: 8.0}, "ar_step": 3.0, "d2f_prefill": 10.0, "ar_prefill": 10.0}
+  tables = {s: {1: step, 32: {k: ({w: 8 * ms for w, ms in v.items()} if isinstance(v, dict) else 8 * v)
+                                  for k, v in step.items()}} for s in cost_report.SOURCES}
+  paper = {"tau_add": 0.1, "tau_act": 0.95, "tau_conf": 0.9, "max_blocks_in_flight": None, "position_budget": None}
+
+  def row(settings, accuracy, tokens_per_forward, positions, query_limit=None, method="d2f"):
+    return {"method": method, "settings": settings, "accuracy": accuracy, "stderr": 5.0,
+            "tokens_per_forward": tokens_per_forward, "mean_window_blocks": positions / 32,
+            "mean_window_positions": positions, "decode": {**paper, "query_limit": query_limit}}
+
+  exact = row("add=0.1 act=0.95 conf=0.9", 60.0, 3.0, 96)
+  close = row("add=0.1 act=0.95 conf=0.9 q=8", 56.0, 2.5, 40, query_limit=8)  # within 5 points, narrower
+  wrong = row("add=0.5 act=0.9 conf=0.7", 40.0, 5.0, 64)  # faster still, but 20 points worse
+  ar = {"method": "ar", "settings": "KV cache", "accuracy": 70.0, "stderr": 5.0, "tokens_per_forward": 1.0}
+  got = cost_report.frontier_rows([exact, close, wrong, ar], tables, [1, 32], 256, 32, target="h100")
+  assert [(r["batch"], r["mode"]) for r in got] == [(1, "add=0.1 act=0.95 conf=0.9 q=8"),
+                                                    (32, "add=0.1 act=0.95 conf=0.9 q=8")]
+  first = got[0]
+  assert (first["target"], first["exact_accuracy"], first["accuracy"], first["stderr"]) == ("h100", 60.0, 56.0, 5.0)
+  want = cost_report.tokens_per_s(close, tables["compiled"], 1, 256, 32)
+  assert first["tok_s_compiled"] == pytest.approx(want)
+  assert first["ar_tok_s_compiled"] == pytest.approx(cost_report.tokens_per_s(ar, tables["compiled"], 1, 256))
+  # Without the narrower mode the exact row is its own frontier; without an AR row there is none.
+  assert {r["mode"] for r in cost_report.frontier_rows([exact, wrong, ar], tables, [1], 256, 32)} == {"exact"}
+  assert cost_report.frontier_rows([exact, close], tables, [1], 256, 32) == []

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--widths", help="D2F window widths in blocks (default: the decoder's width set)")
   p.add_argument("--batch", default="1,32", help="batches compiled (>= 2; other batches are affine between)")
   p.add_argument("--project", default="1,8,32,128", help="batches of the tokens/s table")
+  p.add_argument("--frontier", action="store_true",
+                 help="per batch, the fastest D2F mode of --results within one standard error of exact D2F")
   p.add_argument("--programs", default="d2f_step,ar_step,full_step,d2f_prefill,ar_prefill",
                  help="forwards compiled, comma-separated")
   p.add_argument("--tiny", action="store_true", help="tiny-llada / tiny-dream, cache 64, 32 new tokens, block 8")
@@ -209,8 +211,13 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
       log(f"tokens/s and D2F / AR, each cell 'compiled / formula', with {results.get('source', 'the results')}'s "
           "tokens per forward and window widths:")
       log(format_table(methods))
+    frontier = (cost_report.frontier_rows(rows, ms, _ints(args.project, "--project"), new, block, target=target.name,
+                                          model=model, cache_len=length) if args.frontier and fitted else [])
+    if frontier:
+      log("frontier (the fastest mode within one standard error of exact D2F, tokens/s compiled):")
+      log(format_table(frontier))
     out.append({"target": target.name, "model": model, "cache_len": length, "datasheet": sheet.name,
-                "title": title, "programs": programs, "methods": methods, "entries": group})
+                "title": title, "programs": programs, "methods": methods, "frontier": frontier, "entries": group})
   return out
 
 
@@ -284,6 +291,6 @@ def main(argv: list[str] | None = None) -> int:
       report += tables(target, entries, results, args)
   if not args.compile_only and args.json:
     write_json(args.json, {"benchmark": "cost", "note": "projections, not measurements", "args": vars(args),
-                           "tables": report})
+                           "tables": report, "frontier": [row for table in report for row in table["frontier"]]})
     print(f"wrote {args.json}")
   return 0

@@ -96,3 +96,39 @@ def markdown(rows: list[dict]) -> str:
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
   return "\n".join(lines)
+
+
+PAPER = (0.1, 0.95, 0.9)  # (tau_add, tau_act, tau_conf): the exact D2F row the modes are held to
+
+
+def is_exact_d2f(row: dict) -> bool:
+  """The authors' loop at the paper's thresholds: no throughput mode (query limit, position budget, cap) and
+  the run's own decode block (a results row records its DecodeConfig under 'decode')."""
+  d = row.get("decode") or {}
+  return (row["method"] == "d2f" and d.get("query_limit") is None and d.get("position_budget") is None
+          and d.get("max_blocks_in_flight") is None
+          and (d.get("tau_add"), d.get("tau_act"), d.get("tau_conf")) == PAPER)
+
+
+def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tokens: int, block_size: int,
+                  **where) -> list[dict]:
+  """Per batch, the fastest D2F row (compiled tokens/s) whose accuracy is within one standard error of the
+  exact D2F row's, with AR's tokens/s beside: the mode a server should run at that load. `where` (target,
+  model, cache_len) is copied into every row. [] without an exact D2F row or an AR row."""
+  exact = next((r for r in results if is_exact_d2f(r) and r.get("tokens_per_forward")), None)
+  ar = next((r for r in results if r["method"] == "ar" and r.get("tokens_per_forward")), None)
+  if exact is None or ar is None:
+    return []
+  floor = exact["accuracy"] - exact["stderr"]
+  modes = [r for r in results if r["method"] in ("d2f", "threshold") and r.get("tokens_per_forward")
+           and r["accuracy"] >= floor]
+  out = []
+  for b in batches:
+    speed = {id(r): {s: tokens_per_s(r, tables[s], b, new_tokens, block_size) for s in SOURCES} for r in modes}
+    fastest = max(modes, key=lambda r: speed[id(r)]["compiled"] or 0.0)
+    base = {s: tokens_per_s(ar, tables[s], b, new_tokens) for s in SOURCES}
+    out.append({**where, "batch": b, "mode": "exact" if fastest is exact else fastest["settings"],
+                "accuracy": fastest["accuracy"], "exact_accuracy": exact["accuracy"], "stderr": exact["stderr"],
+                "tok_s_compiled": speed[id(fastest)]["compiled"], "tok_s_formula": speed[id(fastest)]["formula"],
+                "ar_tok_s_compiled": base["compiled"], "ar_tok_s_formula": base["formula"]})
+  return out
