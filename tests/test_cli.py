@@ -59,6 +59,11 @@ def bad_cases(tmp):
       ("d2f_jax.serve", ["--model", "/nonexistent/m"], "/nonexistent/m"),
       ("d2f_jax.serve", ["--model", bad_json], "not valid JSON"),
       ("d2f_jax.serve", ["--model", model, "--slots", "0"], "--slots must be a positive int"),
+      ("d2f_jax.serve", ["--model", model, "--method", "ar", "--query_limit", "4"],
+       "--query_limit must be None or a positive int on a 'd2f' engine"),
+      ("d2f_jax.serve", ["--model", model, "--position_budget", "0"], "--position_budget must be None or a positive"),
+      ("d2f_jax.generate", ["--model", model, "--prompt_ids", "1", "--query_limit", "0"],
+       "query_limit must be a positive int or None"),
       ("d2f_jax.bench", ["serve", "--workdir", "/nonexistent/w"], "no trained D2F student in /nonexistent/w"),
   ]
 

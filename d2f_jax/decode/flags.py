@@ -65,12 +65,18 @@ def add_decode_flags(parser) -> None:
                       help="KV cache + weights must fit this many GiB (default: the decoding devices' memory)")
   parser.add_argument("--stop_tokens", default=None,
                       help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
+  add_mode_flags(parser)
+
+
+def add_mode_flags(parser) -> None:
+  """Add the d2f throughput modes, --query_limit and --position_budget (generate, evaluate and serve)."""
   parser.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
                       help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer "
                            "positions, other tokens; default: off, the authors' loop)")
   parser.add_argument("--position_budget", type=int, default=_DEFAULTS.position_budget,
-                      help="d2f throughput mode for batches: positions a step may feed over the live rows; beyond "
-                           "it every row's window narrows (tokens then depend on the batch; default: off)")
+                      help="d2f throughput mode under load: positions a step may feed over the live rows (a "
+                           "server's slots); beyond it every row's window narrows (tokens then depend on what "
+                           "shares the batch; default: off)")
 
 
 def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:

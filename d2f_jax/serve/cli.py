@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 
-from d2f_jax.decode.flags import add_device_flags, check_model_flags, setup_devices
+from d2f_jax.decode.flags import add_device_flags, add_mode_flags, check_model_flags, setup_devices
 from d2f_jax.serve.config import EngineConfig
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
@@ -48,12 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--queue_size", type=int, default=_DEFAULTS.queue_size,
                  help="waiting requests beyond the slots (more: 429)")
   p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
-  p.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
-                 help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer positions, "
-                      "other tokens; default: off, the authors' loop)")
-  p.add_argument("--position_budget", type=int, default=_DEFAULTS.position_budget,
-                 help="d2f throughput mode under load: positions a step may feed over the live slots; beyond it "
-                      "every slot's window narrows (tokens then depend on the load; default: off)")
+  add_mode_flags(p)  # the engine's defaults are DecodeConfig's: off
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
