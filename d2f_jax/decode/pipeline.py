@@ -8,7 +8,8 @@ The KV cache mirrors buffer columns slot for slot; `cache.length` = P + cached *
 The forward itself runs on the first w * B of those columns, w the narrowest of the compiled widths
 (`spec.window_widths`) that holds every row's uncached blocks: a forward costs what is in flight, not
 what could be. Columns past w are blocks not yet appended, which no earlier block attends to, so the
-tokens are those of the widest window.
+tokens are those of the widest window. A throughput mode (query_limit / position_budget) feeds fewer
+columns, gathered to the front, at compiled widths in positions instead (decode/query_window.py).
 
 Blocks from the cache onward are, in order: `pending` finished blocks whose K/V the next forward writes
 (finished-awaiting-cache), then `added - cached - pending` blocks in flight (semi- or fully activated,
