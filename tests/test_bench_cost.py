@@ -88,7 +88,7 @@ def test_byte_counts_that_cannot_be_traffic_are_replaced_by_the_formula_for_the_
   assert cm.implausible_bytes({"bytes": -1e6}, {"bytes": 2 * floor}, tiny, mesh) == "the compiler counts -0.001 GB"
   assert "under the" in cm.implausible_bytes({"bytes": floor}, {"bytes": floor / 2}, tiny, mesh)
   assert cm.implausible_bytes({"bytes": floor}, {"bytes": floor}, tiny, mesh) is None
-  args = argparse.Namespace(datasheet="H100 SXM", project="1,8")
+  args = argparse.Namespace(datasheet="H100 SXM", project="1,8", frontier=False)
   results = json.loads(FIXTURE.read_text())
   for low, refused in ((2 * floor, False), (floor / 3, True)):
     entries = {"a": entry(shapes[0], low), "b": entry(shapes[1], 3 * floor)}
