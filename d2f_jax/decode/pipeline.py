@@ -30,6 +30,7 @@ from d2f_jax.decode import query_window as qw
 from d2f_jax.decode.config import DecodeSpec, Knobs, per_row
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop, row_keys, split_rows
+from d2f_jax.decode.widths import narrowest
 from d2f_jax.models import PAD_ID, KVCache, align_logits
 
 # Window block states, as the last forward saw them (`D2FState.blocks`).
@@ -151,8 +152,7 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
 def width_index(state: D2FState, spec: DecodeSpec) -> jax.Array:
   """() int32: the narrowest compiled window that holds every live row's uncached blocks."""
   needed = jnp.max(jnp.where(state.done, 1, state.added - state.cached))  # blocks from the first uncached
-  widths = jnp.asarray(spec.window_widths, jnp.int32)
-  return jnp.minimum(jnp.sum(widths < needed), len(spec.window_widths) - 1).astype(jnp.int32)
+  return narrowest(spec.window_widths, needed)
 
 
 def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
@@ -184,12 +184,12 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
   else:  # a throughput mode: only the fed columns, gathered to the front (query_window.py)
     q = qw.within_budget(tokens, state.cached, state.added, ~state.done, knobs.query_limit, spec)
     fed, candidate = qw.fed_columns(tokens, state.cached, state.added, q, spec)
-    order, rank, count = qw.compaction(fed, ~state.done)
-    window = (tokens, positions, ids, cols, candidate)
-    index = qw.width_index(count, spec)
-    branches = [lambda _, w=w: qw.forward(model, state, window, order, rank, count, w, sub, knobs, spec)
+    order, count = qw.compaction(fed, ~state.done)
+    packed = qw.pack(tokens, positions, ids, candidate, order, count)
+    index = narrowest(spec.query_widths, jnp.max(count))
+    branches = [lambda _, w=w: qw.forward(model, state, packed, order, w, written, sub, knobs, spec)
                 for w in spec.query_widths]
-    ids = jnp.where(jnp.arange(spec.window)[None, :] < count[:, None], qw.gather(ids, order), PAD_ID)
+    ids = packed.ids  # the cache write takes the finished blocks, first in fed order
     positions_used = jnp.asarray(spec.query_widths, jnp.int32)[index]
     used = -(-positions_used // spec.block_size)
   k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1

@@ -16,6 +16,8 @@ fed columns, and the choices are scattered back to the window's columns for the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -48,30 +50,29 @@ def within_budget(tokens, cached, added, live, query_limit, spec: DecodeSpec) ->
   (1 when none does). The same rule for every row, so a batch narrows together."""
   if spec.position_budget is None:
     return query_limit
-  rungs, rung = [], spec.block_size
-  while rung >= 1:
-    rungs.append(rung)
-    rung //= 2
+  bs = spec.block_size
   chosen = jnp.int32(1)
-  for rung in reversed(rungs[:-1]):  # ascending: the last rung that fits wins
+  for rung in reversed([bs >> k for k in range(bs.bit_length() - 1)]):  # ascending above 1: the last fit wins
     fed, _ = fed_columns(tokens, cached, added, jnp.minimum(query_limit, rung), spec)
     total = jnp.sum(jnp.where(live, fed.sum(axis=1), 0))
     chosen = jnp.where(total <= spec.position_budget, jnp.int32(rung), chosen)
   return jnp.minimum(query_limit, chosen)
 
 
-def compaction(fed: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(order, rank, count): order [B, W] the columns with the fed ones first, in column order; rank [B, W]
-  each column's row in that order (its inverse); count [B] fed columns of each live row (0 when done)."""
+class Packed(NamedTuple):
+  """The window's columns in fed order (`compaction`), padding past each row's count: tokens, positions, ids
+  (PAD_ID on padding) and candidate (False on padding), [B, W] each. Every compiled width reads a prefix."""
+  tokens: jax.Array
+  positions: jax.Array
+  ids: jax.Array
+  candidate: jax.Array
+
+
+def compaction(fed: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(order, count): order [B, W] the columns with the fed ones first, in column order; count [B] fed
+  columns of each live row (0 when done)."""
   order = jnp.argsort(~fed, axis=1, stable=True).astype(jnp.int32)
-  rank = jnp.argsort(order, axis=1).astype(jnp.int32)
-  return order, rank, jnp.where(live, fed.sum(axis=1), 0).astype(jnp.int32)
-
-
-def width_index(count: jax.Array, spec: DecodeSpec) -> jax.Array:
-  """() int32: the narrowest compiled width (positions) holding every live row's fed columns."""
-  widths = jnp.asarray(spec.query_widths, jnp.int32)
-  return jnp.minimum(jnp.sum(widths < jnp.max(count)), len(spec.query_widths) - 1).astype(jnp.int32)
+  return order, jnp.where(live, fed.sum(axis=1), 0).astype(jnp.int32)
 
 
 def gather(x: jax.Array, order: jax.Array) -> jax.Array:
@@ -79,30 +80,34 @@ def gather(x: jax.Array, order: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def forward(model, state, window, order, rank, count, width: int, key, knobs, spec: DecodeSpec):
-  """One forward over the first `width` fed columns. window: (tokens, positions, ids, cols, candidate)
-  [B, W] each, the widest window's. Returns k, v [L, B, W, K, D] (fed order, padded), the raw output of the
-  last column written to the cache [B, V], and the choices / confidences [B, W] at the window's columns
-  (confidence -inf off the candidates)."""
-  tokens, positions, ids, _, candidate = window
-  batch, full = tokens.shape
-  row = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, w]
-  real = row < count[:, None]  # [B, w] fed rows; the rest is padding
+def pack(tokens, positions, ids, candidate, order, count) -> Packed:
+  """The widest window's tokens, positions, ids and candidates [B, W] gathered into fed order, once for every
+  branch of the step and its cache write."""
+  real = jnp.arange(order.shape[1])[None, :] < count[:, None]  # [B, W] fed rows; the rest is padding
+  return Packed(gather(tokens, order), gather(positions, order), jnp.where(real, gather(ids, order), PAD_ID),
+                real & gather(candidate, order))
+
+
+def forward(model, state, packed: Packed, order, width: int, written, key, knobs, spec: DecodeSpec):
+  """One forward over the first `width` packed columns; `written` [B]: the finished blocks' columns, fed
+  first, whose K/V the step caches. Returns k, v [L, B, W, K, D] (fed order, padded), the raw output of the
+  last column written [B, V], and the choices / confidences [B, W] at the window's columns (confidence -inf
+  off the candidates)."""
+  batch, full = order.shape
   w_order = order[:, :width]
-  w_ids = jnp.where(real, gather(ids, w_order), PAD_ID)  # [B, w]
-  raw, (k, v) = model(gather(tokens, w_order), gather(positions, w_order), w_ids, state.cache)  # raw [B, w, V]
-  written = jnp.where(state.done, 0, state.pending * spec.block_size)  # [B] the finished blocks, fed first
+  raw, (k, v) = model(packed.tokens[:, :width], packed.positions[:, :width], packed.ids[:, :width],
+                      state.cache)  # raw [B, w, V]
   last_row = jnp.take_along_axis(raw, jnp.maximum(written - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, V]
+  rows = jnp.arange(batch)[:, None]
   if spec.model.logit_shift:  # row r predicts from the output at its column - 1: fed, or the cache's last
-    column = w_order  # [B, w] window column of each row
-    source = jnp.take_along_axis(rank, jnp.maximum(column - 1, 0), axis=1)  # [B, w] row of column - 1
+    rank = jnp.zeros_like(order).at[rows, order].set(jnp.arange(full, dtype=order.dtype)[None, :])  # inverse
+    source = jnp.take_along_axis(rank, jnp.maximum(w_order - 1, 0), axis=1)  # [B, w] row of column - 1
     shifted = jnp.take_along_axis(raw, jnp.minimum(source, width - 1)[..., None], axis=1)  # [B, w, V]
-    logits = jnp.where((column == 0)[..., None], state.prev_logits[:, None].astype(raw.dtype), shifted)
+    logits = jnp.where((w_order == 0)[..., None], state.prev_logits[:, None].astype(raw.dtype), shifted)
   else:
     logits = raw
   choice, confidence, _ = choose_tokens(logits, key, knobs, spec.sample)  # [B, w]
-  confidence = jnp.where(real & gather(candidate, w_order), confidence, -jnp.inf)
-  rows = jnp.arange(batch)[:, None]
+  confidence = jnp.where(packed.candidate[:, :width], confidence, -jnp.inf)
   choice = jnp.full((batch, full), spec.model.mask_token_id, choice.dtype).at[rows, w_order].set(choice)
   confidence = jnp.full((batch, full), -jnp.inf, confidence.dtype).at[rows, w_order].set(confidence)
   pad = ((0, 0), (0, 0), (0, full - width), (0, 0), (0, 0))  # [L, B, w, K, D] -> [L, B, W, K, D]

@@ -6,6 +6,9 @@ loop), so the set trades compile time for what a step pays on a compute-bound de
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 
 def window_widths_for(widths: tuple[int, ...] | None, window_blocks: int) -> tuple[int, ...]:
   """The sorted compiled widths (blocks) for a largest window of `window_blocks`: `widths` (default 1 to 4,
@@ -41,3 +44,9 @@ def ms_at_width(ms_by_width: dict[int, float], blocks: float) -> float:
     return ms_by_width[below]
   t = (blocks - below) / (above - below)
   return (1 - t) * ms_by_width[below] + t * ms_by_width[above]
+
+
+def narrowest(widths: tuple[int, ...], needed: jax.Array) -> jax.Array:
+  """() int32: the index of the narrowest of the sorted compiled `widths` holding `needed` (the widest when
+  none does), the `lax.switch` index of a step."""
+  return jnp.minimum(jnp.sum(jnp.asarray(widths, jnp.int32) < needed), len(widths) - 1).astype(jnp.int32)
