@@ -21,7 +21,7 @@ HELP = [("d2f_jax.main", []), ("d2f_jax.distill", []), ("d2f_jax.generate", []),
 def bad_cases(tmp):
   """(module, args, what the one error line must contain)."""
   bad_json, model = os.path.join(tmp, "bad_json"), os.path.join(tmp, "model")
-  data = os.path.join(tmp, "bad.jsonl")
+  data, frontier = os.path.join(tmp, "bad.jsonl"), os.path.join(tmp, "frontier.json")
   w = ["--workdir", os.path.join(tmp, "w")]
   return [
       ("d2f_jax.main", ["--config", "configs/nope.py"], "config file 'configs/nope.py' does not exist"),
@@ -62,6 +62,14 @@ def bad_cases(tmp):
       ("d2f_jax.serve", ["--model", model, "--method", "ar", "--query_limit", "4"],
        "--query_limit must be None or a positive int on a 'd2f' engine"),
       ("d2f_jax.serve", ["--model", model, "--position_budget", "0"], "--position_budget must be None or a positive"),
+      ("d2f_jax.serve", ["--model", model, "--policy", "throughput"], "--policy 'throughput' decodes every request "
+                                                                      "at query_limit: set query_limit"),
+      ("d2f_jax.serve", ["--model", model, "--auto_modes", "8:x"], "--auto_modes must be 'SLOTS:Q,...'"),
+      ("d2f_jax.serve", ["--model", model, "--frontier", "/nonexistent/f.json"],
+       "--frontier /nonexistent/f.json: not a `bench cost --frontier --json` report"),
+      ("d2f_jax.serve", ["--model", model, "--frontier", frontier], "choose one with --frontier_target"),
+      ("d2f_jax.serve", ["--model", model, "--frontier", frontier, "--frontier_target", "h100"],
+       "decodes at block size 16, this engine at 32: serve with --block_size 16"),
       ("d2f_jax.generate", ["--model", model, "--prompt_ids", "1", "--query_limit", "0"],
        "query_limit must be a positive int or None"),
       ("d2f_jax.bench", ["serve", "--workdir", "/nonexistent/w"], "no trained D2F student in /nonexistent/w"),
@@ -77,6 +85,11 @@ def _write_inputs(tmp):
   os.makedirs(os.path.join(tmp, "model"))  # a readable config.json, no weights: nothing gets that far
   with open(os.path.join(tmp, "model", "config.json"), "w") as f:
     json.dump(hf_config_from_model(TINY_DREAM, dtype="float32"), f)
+  frontier = [dict(target=target, model="llada-8b", batch=batch, mode=mode, block_size=block, query_limit=q)
+              for target in ("h100", "v5p-8")
+              for batch, mode, block, q in ((1, "exact", 32, None), (8, "block=16 q=8", 16, 8))]
+  with open(os.path.join(tmp, "frontier.json"), "w") as f:
+    json.dump({"frontier": frontier}, f)
   with open(os.path.join(tmp, "bad.jsonl"), "w") as f:
     f.write('{"question": "1 + 1?", "answer": "#### 2"}\n{not json\n')
 

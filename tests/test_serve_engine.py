@@ -34,17 +34,18 @@ pytestmark = pytest.mark.flaky(reruns=1)
 _ALONE = {}
 
 
-def _alone(model, prompt, settings: RequestSettings):
-  key = (model.config.family, tuple(prompt), settings)
+def _alone(model, prompt, settings: RequestSettings, query_limit: int | None = None):
+  key = (model.config.family, tuple(prompt), settings, query_limit)
   if key not in _ALONE:
-    _ALONE[key] = _decode_alone(model, prompt, settings)
+    _ALONE[key] = _decode_alone(model, prompt, settings, query_limit)
   return _ALONE[key]
 
 
-def _decode_alone(model, prompt, settings: RequestSettings):
+def _decode_alone(model, prompt, settings: RequestSettings, query_limit: int | None = None):
   config = DecodeConfig(method=settings.method or "d2f", block_size=ENGINE.block_size,
                         max_new_tokens=settings.max_new_tokens or ENGINE.max_new_tokens, tau_add=settings.tau_add,
-                        tau_act=settings.tau_act, tau_conf=settings.tau_conf, prompt_buckets=8)
+                        tau_act=settings.tau_act, tau_conf=settings.tau_conf, prompt_buckets=8,
+                        query_limit=query_limit)
   result = generate(model, [prompt], config)
   n = int(result.lengths[0])
   return dict(tokens=np.asarray(result.tokens[0, :n]).tolist(), forwards=int(result.forwards[0]),
@@ -111,16 +112,66 @@ def test_a_query_limited_engine_decodes_every_request_as_generate_in_that_mode()
   settings = SETTINGS[:4]
   results = engine.complete(PROMPTS[:4], settings)
   for i, (prompt, s, got) in enumerate(zip(PROMPTS, settings, results)):
-    config = DecodeConfig(method=s.method or "d2f", block_size=ENGINE.block_size,
-                          max_new_tokens=s.max_new_tokens or ENGINE.max_new_tokens, tau_add=s.tau_add,
-                          tau_act=s.tau_act, tau_conf=s.tau_conf, prompt_buckets=8, query_limit=2)
-    result = generate(model, [prompt], config)
-    n = int(result.lengths[0])
-    assert got.tokens == np.asarray(result.tokens[0, :n]).tolist(), i
-    assert (got.forwards, got.trace) == (int(result.forwards[0]), np.asarray(result.trace[0]).tolist()), i
+    assert got.query_limit == 2, i
+    _check(got, _alone(model, prompt, s, query_limit=2), f"request {i}")
     assert 0 < got.stats["position_sum"] <= got.forwards * 16, i  # at most the widest window a forward
   with pytest.raises(ValueError, match="query_limit must be None or a positive int on a 'd2f' engine"):
     EngineConfig(method="ar", query_limit=2)
+
+
+def test_the_auto_policy_picks_each_requests_mode_by_load_without_recompiling():
+  """policy 'auto': a request admitted with 1 live slot decodes exactly, with 2 at q=2, with 3 at q=1; each keeps
+  its mode to the end and equals `generate` alone in it; after warm-up no program is traced again."""
+  from d2f_jax.serve import programs
+  jitted = (programs.insert, programs.advance, programs.release, programs.readout)
+  model = sharp_model("llada")
+  engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 3, "policy": "auto",
+                                         "auto_modes": ((1, None), (2, 2), (3, 1))}))
+  engine.warm_up()
+  compiled = [f._cache_size() for f in jitted]
+  done = {}
+
+  def record(event):
+    if event.finished:
+      done[event.request_id] = event.completion
+  order = [(0, SETTINGS[0]), (1, SETTINGS[1]), (2, SETTINGS[4]), (3, SETTINGS[3]), (4, SETTINGS[2])]
+  ids = [engine.submit(PROMPTS[0], SETTINGS[0], record)]
+  engine.round()  # admitted alone: exact
+  ids += [engine.submit(PROMPTS[i], s, record) for i, s in order[1:3]]
+  engine.round()  # two more admitted with 3 live: q=1
+  engine.run_until_idle()
+  ids += [engine.submit(PROMPTS[i], s, record) for i, s in order[3:]]
+  engine.run_until_idle()  # two admitted together into an idle engine: q=2
+  modes = [done[request_id].query_limit for request_id in ids]
+  assert modes == [None, 1, 1, 2, 2]
+  for request_id, (i, s) in zip(ids, order):
+    _check(done[request_id], _alone(model, PROMPTS[i], s, query_limit=done[request_id].query_limit), request_id)
+  assert [f._cache_size() for f in jitted] == compiled
+
+
+def test_policies_are_checked_and_resolved():
+  from d2f_jax.serve.config import auto_modes_from_frontier
+  assert EngineConfig().modes == ((1, None),) and EngineConfig(query_limit=4).mode_policy == "throughput"
+  auto = EngineConfig(policy="auto", query_limit=4)
+  assert auto.modes == ((1, None), (8, 4)) and auto.decode_config().query_limit == 4
+  assert [auto.query_limit_at(n) for n in (1, 7, 8, 32)] == [None, None, 4, 4]
+  table = EngineConfig(policy="auto", auto_modes=((8, 8), (32, 4)))
+  assert [table.query_limit_at(n) for n in (1, 8, 31, 32)] == [None, 8, 8, 4] and table.decode_config().query_limit == 8
+  rows = [dict(batch=b, block_size=4, query_limit=q) for b, q in ((1, None), (8, 8), (32, 4), (128, 4))]
+  assert auto_modes_from_frontier(rows, 4) == ((1, None), (8, 8), (32, 4))
+  assert auto_modes_from_frontier(rows[1:], 4) == ((1, None), (8, 8), (32, 4))
+  with pytest.raises(ValueError, match="at batch 1 .* block size 4, this engine at 8"):
+    auto_modes_from_frontier(rows, 8)
+  for bad, message in [(dict(policy="fast"), "policy must be one of"),
+                       (dict(policy="latency", query_limit=4), "query_limit must be None"),
+                       (dict(policy="throughput"), "set query_limit"),
+                       (dict(policy="auto"), "needs query_limit"),
+                       (dict(policy="auto", auto_modes=((8, 4), (8, 2))), "ascend strictly"),
+                       (dict(policy="auto", auto_modes=((0, 4),)), "pairs of positive ints"),
+                       (dict(auto_modes=((8, 4),), query_limit=2), "the 'auto' policy's table"),
+                       (dict(method="ar", policy="auto", auto_modes=((8, 4),)), "needs a 'd2f' engine")]:
+    with pytest.raises(ValueError, match=message):
+      EngineConfig(**bad)
 
 
 def test_a_position_budget_narrows_the_engine_under_load_and_is_exact_with_room():

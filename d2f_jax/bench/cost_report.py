@@ -113,8 +113,9 @@ def is_exact_d2f(row: dict) -> bool:
 def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tokens: int, block_size: int,
                   **where) -> list[dict]:
   """Per batch, the fastest D2F row (compiled tokens/s) whose accuracy is within one standard error of the
-  exact D2F row's, with AR's tokens/s beside: the mode a server should run at that load. `where` (target,
-  model, cache_len) is copied into every row. [] without an exact D2F row or an AR row."""
+  exact D2F row's, with AR's tokens/s beside: the mode a server should run at that load (its block_size and
+  query_limit as the serving engine's --frontier reads them). `where` (target, model, cache_len) is copied
+  into every row. [] without an exact D2F row or an AR row."""
   exact = next((r for r in results if is_exact_d2f(r) and r.get("tokens_per_forward")), None)
   ar = next((r for r in results if r["method"] == "ar" and r.get("tokens_per_forward")), None)
   if exact is None or ar is None:
@@ -127,7 +128,9 @@ def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tok
     speed = {id(r): {s: tokens_per_s(r, tables[s], b, new_tokens, block_size) for s in SOURCES} for r in modes}
     fastest = max(modes, key=lambda r: speed[id(r)]["compiled"] or 0.0)
     base = {s: tokens_per_s(ar, tables[s], b, new_tokens) for s in SOURCES}
+    decode = fastest.get("decode") or {}
     out.append({**where, "batch": b, "mode": "exact" if fastest is exact else fastest["settings"],
+                "block_size": decode.get("block_size"), "query_limit": decode.get("query_limit"),
                 "accuracy": fastest["accuracy"], "exact_accuracy": exact["accuracy"], "stderr": exact["stderr"],
                 "tok_s_compiled": speed[id(fastest)]["compiled"], "tok_s_formula": speed[id(fastest)]["formula"],
                 "ar_tok_s_compiled": base["compiled"], "ar_tok_s_formula": base["formula"]})

@@ -16,7 +16,7 @@ import socket
 import threading
 
 from d2f_jax.decode.flags import add_device_flags, add_mode_flags, check_model_flags, setup_devices
-from d2f_jax.serve.config import EngineConfig
+from d2f_jax.serve.config import AUTO_FROM_SLOTS, POLICIES, EngineConfig, auto_modes_from_frontier
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
@@ -49,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
                  help="waiting requests beyond the slots (more: 429)")
   p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
   add_mode_flags(p)  # the engine's defaults are DecodeConfig's: off
+  p.add_argument("--policy", default=_DEFAULTS.policy, choices=POLICIES,
+                 help="each request's mode, chosen at admission: latency (exact D2F), throughput (--query_limit), "
+                      "auto (by live slots: --auto_modes or --frontier); default: throughput with --query_limit, "
+                      "else latency")
+  p.add_argument("--auto_modes", default=None,
+                 help="auto: 'SLOTS:Q,...' from that many live slots on, query limit Q ('exact': none), e.g. "
+                      f"'8:8,32:4'; default: exact below {AUTO_FROM_SLOTS} slots, --query_limit from there")
+  p.add_argument("--frontier", default=None,
+                 help="auto: the modes of a `bench cost --frontier --json` file (with --frontier_target, "
+                      "--frontier_model when it holds several)")
+  p.add_argument("--frontier_target", default=None, help="--frontier: the target's rows (h100, v5p-8, ...)")
+  p.add_argument("--frontier_model", default=None, help="--frontier: the model's rows (llada-8b, dream-7b)")
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
@@ -57,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args):
+  modes = _auto_modes(args)
   try:
     return EngineConfig(slots=args.slots, method=args.method, block_size=args.block_size,
                         max_new_tokens=args.max_new_tokens,
@@ -64,9 +77,43 @@ def _engine_config(args):
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
                         sampling=args.sampling, query_limit=args.query_limit,
-                        position_budget=args.position_budget)
+                        position_budget=args.position_budget,
+                        policy=args.policy or ("auto" if modes else None), auto_modes=modes)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
+
+
+def _auto_modes(args) -> tuple[tuple[int, int | None], ...]:
+  """--auto_modes or --frontier as EngineConfig.auto_modes; () when neither is given."""
+  if args.auto_modes is not None and args.frontier is not None:
+    raise UsageError("--auto_modes and --frontier both choose the auto policy's modes: pass one")
+  if args.auto_modes is not None:
+    try:
+      pairs = [item.split(":") for item in args.auto_modes.split(",") if item.strip()]
+      return tuple((int(slots), None if q.strip() == "exact" else int(q)) for slots, q in pairs)
+    except ValueError:
+      raise UsageError(f"--auto_modes must be 'SLOTS:Q,...' with Q an int or 'exact', got {args.auto_modes!r}"
+                       ) from None
+  if args.frontier is None:
+    return ()
+  import json
+  try:
+    with open(args.frontier) as f:
+      rows = json.load(f)["frontier"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UsageError(f"--frontier {args.frontier}: not a `bench cost --frontier --json` report ({e})") from None
+  for key in ("target", "model"):
+    wanted = getattr(args, f"frontier_{key}")
+    found = sorted({str(r.get(key)) for r in rows})
+    if wanted is None and len(found) > 1:
+      raise UsageError(f"--frontier {args.frontier} holds rows of {key}s {found}: choose one with --frontier_{key}")
+    rows = [r for r in rows if wanted is None or r.get(key) == wanted]
+    if not rows:
+      raise UsageError(f"--frontier {args.frontier} has no rows of {key} {wanted!r} (it has {found})")
+  try:
+    return auto_modes_from_frontier(rows, args.block_size)
+  except ValueError as e:
+    raise UsageError(f"--frontier {args.frontier}: {e}") from None
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -8,6 +8,11 @@ from typing import Sequence
 
 from d2f_jax.serve.types import ENGINE_METHODS
 
+POLICIES = ("latency", "throughput", "auto")
+# auto without auto_modes: exact D2F below this many live slots, query_limit from it (the smallest batch of
+# bench cost --frontier's table after 1; pass --frontier to take the modes from a measured table).
+AUTO_FROM_SLOTS = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +34,12 @@ class EngineConfig:
   # Positions a step may feed over the live slots (DecodeConfig.position_budget): windows narrow under load.
   # A request's tokens then depend on what shares the engine; None (the default) keeps them invariant.
   position_budget: int | None = None
+  # Which mode a request decodes in, chosen when it is admitted and kept to its end (so its answer is its
+  # batch-1 decode in that mode): 'latency' exact D2F; 'throughput' query_limit for every request; 'auto' the
+  # mode of auto_modes for the live slot count. None: 'throughput' when query_limit is set, else 'latency'.
+  policy: str | None = None
+  # auto: ((live slots from, q or None for exact), ...) ascending; () = ((AUTO_FROM_SLOTS, query_limit),).
+  auto_modes: tuple[tuple[int, int | None], ...] = ()
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -47,6 +58,57 @@ class EngineConfig:
                                 or self.method != "d2f"):
         raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
                          f"(method {self.method!r})")
+    self._check_policy()
+
+  def _check_policy(self) -> None:
+    if self.policy is not None and self.policy not in POLICIES:
+      raise ValueError(f"EngineConfig.policy must be one of {POLICIES} or None, got {self.policy!r}")
+    for entry in self.auto_modes:
+      if (not isinstance(entry, tuple) or len(entry) != 2 or not _positive(entry[0])
+          or not (entry[1] is None or _positive(entry[1]))):
+        raise ValueError(f"EngineConfig.auto_modes holds (live slots from, query limit or None) pairs of positive "
+                         f"ints, got {entry!r}")
+    starts = [start for start, _ in self.auto_modes]
+    if starts != sorted(set(starts)):
+      raise ValueError(f"EngineConfig.auto_modes must ascend strictly by live slots, got {self.auto_modes!r}")
+    policy = self.mode_policy
+    if self.auto_modes and policy != "auto":
+      raise ValueError(f"EngineConfig.auto_modes is the 'auto' policy's table; the policy is {policy!r}")
+    if policy == "latency" and self.query_limit is not None:
+      raise ValueError(f"EngineConfig.policy 'latency' decodes every request exactly: query_limit must be None, "
+                       f"got {self.query_limit!r}")
+    if policy in ("throughput", "auto") and self.method != "d2f":
+      raise ValueError(f"EngineConfig.policy {policy!r} needs a 'd2f' engine, got method {self.method!r}")
+    if policy == "throughput" and self.query_limit is None:
+      raise ValueError("EngineConfig.policy 'throughput' decodes every request at query_limit: set query_limit")
+    if policy == "auto" and not self.auto_modes and self.query_limit is None:
+      raise ValueError("EngineConfig.policy 'auto' needs query_limit (the mode from "
+                       f"{AUTO_FROM_SLOTS} live slots) or auto_modes")
+
+  @property
+  def mode_policy(self) -> str:
+    """The policy in force: `policy`, or by default 'throughput' with query_limit set and 'latency' without."""
+    if self.policy is not None:
+      return self.policy
+    return "throughput" if self.query_limit is not None else "latency"
+
+  @property
+  def modes(self) -> tuple[tuple[int, int | None], ...]:
+    """((live slots from, query limit or None for exact D2F), ...): the policy as a table."""
+    policy = self.mode_policy
+    if policy == "latency":
+      return ((1, None),)
+    if policy == "throughput":
+      return ((1, self.query_limit),)
+    return self.auto_modes or ((1, None), (AUTO_FROM_SLOTS, self.query_limit))
+
+  def query_limit_at(self, live_slots: int) -> int | None:
+    """The query limit of a request admitted with `live_slots` slots decoding (itself included); None: exact."""
+    chosen = None
+    for start, query_limit in self.modes:
+      if live_slots >= start:
+        chosen = query_limit
+    return chosen
 
   def decode_config(self):
     """The DecodeConfig whose static spec every program of this engine runs (its compiled paths: method,
@@ -55,8 +117,15 @@ class EngineConfig:
     from d2f_jax.decode.config import DecodeConfig
     return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                         max_blocks_in_flight=self.max_blocks_in_flight, temperature=1.0 if self.sampling else 0.0,
-                        memory_budget_gib=self.memory_budget_gib, query_limit=self.query_limit,
+                        memory_budget_gib=self.memory_budget_gib, query_limit=self._compiled_query_limit(),
                         position_budget=self.position_budget)
+
+  def _compiled_query_limit(self) -> int | None:
+    """A query limit whenever some request may run one (the query-limited step is then compiled; each slot's
+    own limit is a knob); None when every request decodes exactly."""
+    if self.query_limit is not None:
+      return self.query_limit
+    return max((q for _, q in self.modes if q is not None), default=None)
 
   @property
   def prompt_width(self) -> int:
@@ -79,6 +148,30 @@ class EngineConfig:
     """The prefill width of a prompt: the smallest of `prompt_buckets` (the widths warm-up compiles) that holds
     it."""
     return next(width for width in self.prompt_buckets if width >= prompt_len)
+
+
+def auto_modes_from_frontier(rows: list[dict], block_size: int) -> tuple[tuple[int, int | None], ...]:
+  """The 'auto' policy's table from `bench cost --frontier` rows of one target and model: from each batch on,
+  that batch's mode (its query_limit; None: exact D2F). A mode at another block size than the engine's cannot
+  be switched to without recompiling: ValueError naming it."""
+  if not rows:
+    raise ValueError("the frontier has no rows for this target and model")
+  modes: list[tuple[int, int | None]] = []
+  for row in sorted(rows, key=lambda r: r["batch"]):
+    if row.get("block_size") not in (None, block_size):
+      raise ValueError(f"the frontier's mode at batch {row['batch']} ({row.get('mode')}) decodes at block size "
+                       f"{row['block_size']}, this engine at {block_size}: serve with --block_size "
+                       f"{row['block_size']} or choose the modes with --auto_modes")
+    query_limit = row.get("query_limit")
+    if not modes or modes[-1][1] != query_limit:
+      modes.append((int(row["batch"]), query_limit))
+  if modes[0][0] != 1:  # below the table's first batch: exact D2F, the fastest at small batch
+    modes[0:1] = [(1, None)] if modes[0][1] is None else [(1, None), modes[0]]
+  return tuple(modes)
+
+
+def _positive(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def split_admissions(count: int, sizes: Sequence[int]) -> list[int]:

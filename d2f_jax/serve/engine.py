@@ -173,8 +173,10 @@ class Engine(BackgroundLoop):
       admitted = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
     if not admitted:
       return
+    live = sum(r is not None for r in self.slots) + len(admitted)
     by_bucket: dict[int, list[Request]] = collections.defaultdict(list)
     for request in admitted:
+      self._choose_mode(request, live)
       by_bucket[self.config.bucket(request.prompt.size)].append(request)
     free_slots = iter(free)
     for width, group in sorted(by_bucket.items()):
@@ -188,6 +190,15 @@ class Engine(BackgroundLoop):
                      [r.seed for r in chunk])
         for slot, request in zip(slots, chunk):
           request.slot, self.slots[slot] = slot, request
+
+  def _choose_mode(self, request: Request, live_slots: int) -> None:
+    """The request's mode by the engine's policy for the live slot count, kept to its end: its answer is then
+    its batch-1 decode in that mode. A knob of the compiled programs, so switching never recompiles."""
+    if not self.spec.query_mode:
+      return
+    request.query_limit = self.config.query_limit_at(live_slots)
+    limit = self.config.block_size if request.query_limit is None else request.query_limit
+    request.knobs = request.knobs.replace(query_limit=np.asarray(limit, np.int32))
 
   def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list,
               seeds: list[int]) -> None:
@@ -205,7 +216,8 @@ class Engine(BackgroundLoop):
       if request is None:
         continue
       if read["done"][slot]:
-        final = completion(read, slot, request.max_new_tokens, request.stops)
+        final = completion(read, slot, request.max_new_tokens, request.stops)._replace(
+            query_limit=request.query_limit)
         self.slots[slot] = None
         self._emit(request, final.tokens[request.emitted:], reason=final.finish_reason, final=final,
                    forwards=final.forwards)

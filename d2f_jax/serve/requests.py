@@ -32,6 +32,7 @@ class Request:
   callback: EventCallback | None
   seed: int = 0  # its sampling key is jax.random.key(seed), as `generate(..., key=jax.random.key(seed))` alone
   slot: int | None = None
+  query_limit: int | None = None  # the mode it was admitted in (EngineConfig.policy); None: exact D2F
   emitted: int = 0  # ids streamed so far
   cancelled: bool = False
 

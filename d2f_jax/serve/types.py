@@ -43,6 +43,7 @@ class Completion(NamedTuple):
   trace: list[int]  # [max_new_tokens] step at which each position was accepted, -1 if never
   finish_reason: str  # 'stop', 'length' or 'cancelled'
   stats: dict  # STAT_KEYS: the d2f diagnostics of DecodeResult (zero for ar)
+  query_limit: int | None = None  # the throughput mode it decoded in (EngineConfig.policy); None: exact D2F
 
 
 class Event(NamedTuple):
