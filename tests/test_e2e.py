@@ -128,8 +128,8 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
   # engine's tokens are checked equal to generate's (bench serve exits non-zero when they differ).
   from d2f_jax.bench import serve as bench_serve
   report = tmp_path / "bench_serve.json"
-  bench_serve.main(["--workdir", str(tmp_path), "--slots", "2", "--limit", "3", "--repeats", "1",
-                    "--json", str(report)])
+  bench_serve.main(["--workdir", str(tmp_path), "--config", "configs/tiny_e2e.py:smoke", "--slots", "2",
+                    "--limit", "3", "--repeats", "1", "--json", str(report)])
   [row] = json.loads(report.read_text())["rows"]
   assert row["slots"] == 2 and row["problems"] == 3 and row["identical"] is True and row["tokens"] > 0
 

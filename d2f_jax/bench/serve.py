@@ -16,7 +16,6 @@ run down); the ratio of every adjacent pair is listed beside it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import time
 
@@ -26,28 +25,34 @@ from d2f_jax.reporting import write_report
 from d2f_jax.usage import ArgumentParser, UsageError
 
 DEFAULT_WORKDIR = os.path.join("workdir", "tiny_e2e")
+DEFAULT_CONFIG = "configs/tiny_e2e.py"
 
 
-def load_student(workdir: str):
+def load_config(path_and_arg: str):
+  """The main job's config (`--config`, as `python -m d2f_jax.main` takes it); a clear exit when it is missing."""
+  from d2f_jax import config_files
+  from d2f_jax.train.config import load_config_file
+  try:
+    return load_config_file(config_files.resolve(path_and_arg))
+  except (FileNotFoundError, ValueError) as e:
+    raise UsageError(f"--config {path_and_arg}: {e}") from None
+
+
+def load_student(workdir: str, config: str = DEFAULT_CONFIG):
   """The main job's D2F student and its config; a clear exit when the main job has not been run."""
   import d2f_jax
-  from d2f_jax import config_files
   path = os.path.join(workdir, "student", "hf")
   if not os.path.isfile(os.path.join(path, "config.json")):
     raise UsageError(f"no trained D2F student in {path}: run `python -m d2f_jax.main --workdir {workdir}` "
                      "first (about 12 minutes on 2 CPU cores), or pass --workdir")
-  spec = importlib.util.spec_from_file_location("tiny_e2e", config_files.resolve("configs/tiny_e2e.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return d2f_jax.load_model(path), module.get_config()
+  return d2f_jax.load_model(path), load_config(config)
 
 
 def held_out_prompts(model, c, limit: int) -> list[list[int]]:
+  """The first `limit` held-out problems of the main job's task, encoded by `model`'s tokenizer."""
+  from d2f_jax.e2e.pipeline import held_out_task
   from d2f_jax.evals.runner import encode_prompts
-  from d2f_jax.tasks.arithmetic import ArithmeticTask
-  task = ArithmeticTask(seed=c.seed, train=c.task.train, test=c.task.test, min_steps=c.task.min_steps,
-                        max_steps=c.task.max_steps)
-  return encode_prompts(model, task.load(limit))
+  return encode_prompts(model, held_out_task(c).load(limit))
 
 
 def static_batches(model, prompts, config, slots: int):
@@ -122,6 +127,12 @@ def _rates(text: str) -> list[float]:
 def parse_args(argv):
   p = ArgumentParser("python -m d2f_jax.bench serve", __doc__)
   p.add_argument("--workdir", default=DEFAULT_WORKDIR, help="the main job's workdir (its student/hf is served)")
+  p.add_argument("--config", default=DEFAULT_CONFIG,
+                 help="the main job's config, as `python -m d2f_jax.main` took it (e.g. configs/tiny_e2e.py:long)")
+  p.add_argument("--versus", default=None, choices=("ar",),
+                 help="ar: the D2F engine in each throughput mode against the AR engine (bench/serve_versus.py)")
+  p.add_argument("--query_limits", type=_sizes, default=None,
+                 help="--versus: the D2F modes' query limits (default: the config's mode_sweep at the decode block)")
   p.add_argument("--slots", type=_sizes, default="8,32", help="engine slots = static batch sizes, comma-separated")
   p.add_argument("--limit", type=int, default=256, help="held-out problems")
   p.add_argument("--steps_per_call", type=int, default=4, help="engine D2F steps per device call")
@@ -133,17 +144,26 @@ def parse_args(argv):
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
   p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
   p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")
-  p.add_argument("--json", default="results/bench_serve.json", help="where the report is written")
-  return p.parse_args(argv)
+  p.add_argument("--json", default=None,
+                 help="where the report is written (default results/bench_serve.json, with --versus ar "
+                      "results/bench_serve_versus_ar.json)")
+  args = p.parse_args(argv)
+  if args.json is None:
+    args.json = "results/bench_serve_versus_ar.json" if args.versus else "results/bench_serve.json"
+  return args
 
 
 def main(argv: list[str]) -> None:
   args = parse_args(argv)
+  if args.versus is not None:
+    from d2f_jax.bench import serve_versus
+    return serve_versus.main(args, load_config)
   from d2f_jax.decode import DecodeConfig
-  model, c = load_student(args.workdir)
+  from d2f_jax.e2e.evaluation import decode_block_size
+  model, c = load_student(args.workdir, args.config)
   prompts = held_out_prompts(model, c, args.limit)
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
-  config = DecodeConfig(method="d2f", block_size=c.block_size, max_new_tokens=c.max_new_tokens,
+  config = DecodeConfig(method="d2f", block_size=decode_block_size(c), max_new_tokens=c.max_new_tokens,
                         tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=args.prompt_bucket)
   rows, seconds = [], {}
   for slots in args.slots:
@@ -163,7 +183,7 @@ def main(argv: list[str]) -> None:
                  "engine calls (advance / insert)": "{} / {}".format(
                      (serving.advance_calls - calls[0]) // args.repeats,
                      (serving.insert_calls - calls[1]) // args.repeats)})
-  extra = {"settings": dict(block_size=c.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
+  extra = {"settings": dict(block_size=config.block_size, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
                             tau_act=tau_act, tau_conf=tau_conf, prompt_bucket=args.prompt_bucket,
                             steps_per_call=args.steps_per_call, max_insert=args.max_insert, repeats=args.repeats,
                             timing="best of the repeats, static and engine alternating"), "seconds": seconds}
