@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from d2f_jax import datafiles  # noqa: E402
+from d2f_jax import datafiles, xla_maps  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Tiny models: optimisation passes cost more compile time than they save at run time.
@@ -85,3 +85,14 @@ def product_compile_settings():
   yield
   for name, value in saved.items():
     jax.config.update(name, value)
+
+
+@pytest.fixture(autouse=True)
+def _mapping_headroom():
+  """After each test, free JAX's compiled programs once this worker holds half the memory mappings Linux
+  allows: XLA:CPU maps every compiled kernel on its own and a worker that reaches the cap crashes in its next
+  compile (d2f_jax/xla_maps.py, tests/test_xla_maps.py). Every test then starts far from it."""
+  yield
+  limit = xla_maps.mapping_limit()
+  if limit:
+    xla_maps.ensure_headroom(reserve=limit // 2, force=True)

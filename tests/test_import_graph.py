@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "d2f_jax"
 # ground-floor units, and anything on a lower floor.
 FLOORS = (
     ("sharding", "usage", "datafiles", "reporting", "datasheets", "config_files", "tasks", "workdir_lock",
-     "compilation_cache"),
+     "compilation_cache", "xla_maps"),
     ("kernels",),
     ("models",),
     ("convert",),

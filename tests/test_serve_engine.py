@@ -25,12 +25,6 @@ SETTINGS = [RequestSettings(), RequestSettings(tau_add=0.25, tau_act=0.5, tau_co
             RequestSettings(method="threshold", tau_conf=0.5), RequestSettings(max_new_tokens=12, tau_conf=0.6)]
 
 
-# XLA:CPU has crashed (segmentation fault in backend_compile) compiling this module's engine programs, about
-# one full suite in two on the 2-core machine, a different test each time, once with nothing else queued.
-# Not understood yet; under xdist a crashed test is run once more in a fresh worker, so one crash does not fail
-# the suite and two in a row still do.
-pytestmark = pytest.mark.flaky(reruns=1)
-
 _ALONE = {}
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from d2f_jax import xla_maps
 from d2f_jax.decode import limits
 from d2f_jax.decode.config import DecodeConfig, DecodeSpec, Knobs, resolve
 from d2f_jax.decode.mesh import as_decode_mesh, place_inputs, place_state
@@ -74,6 +75,7 @@ def prepare(model, prompts, config: DecodeConfig, mask, key, mesh, rules) -> Pre
     if not hasattr(model, attr):
       raise TypeError(f"model must have .config, .graphdef and .state (a d2f_jax.Model); "
                       f"{type(model).__name__} has no .{attr}")
+  xla_maps.ensure_headroom()  # a sweep of decode settings compiles program after program (xla_maps.py)
   try:
     spec, knobs = _resolved(config, model.config)
   except TypeError:  # a field value that cannot be hashed: resolve this config afresh

@@ -26,6 +26,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from d2f_jax import xla_maps
 from d2f_jax.decode import limits
 from d2f_jax.decode.config import check_method_fits, model_attention, resolve
 from d2f_jax.serve import programs
@@ -126,6 +127,7 @@ class Engine(BackgroundLoop):
     readout) on the first slots, then free them; seconds taken. Call before serving so no request pays a compile."""
     if self.busy:
       raise RuntimeError("warm_up() needs an idle engine")
+    xla_maps.ensure_headroom(force=True)  # before this engine's programs, never while it serves
     start = time.perf_counter()
     _, knobs, _ = self._request_knobs(RequestSettings())
     for width in self.config.prompt_buckets:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from d2f_jax import convert, sharding
 from d2f_jax.models import LoraConfig
-from d2f_jax import workdir_lock
+from d2f_jax import workdir_lock, xla_maps
 from d2f_jax.reporting import write_text
 from d2f_jax.train import config as config_lib
 from d2f_jax.train import data as data_lib
@@ -66,6 +66,7 @@ class Trainer:
     self.is_main = jax.process_index() == 0
     self.preempted = False  # set when run() stopped early on SIGTERM / a preemption notice (checkpoint saved)
     os.makedirs(self.workdir, exist_ok=True)
+    xla_maps.ensure_headroom(force=True)  # a process training stage after stage (the main job) compiles each
     # One process per workdir (process 0 for all hosts): two runs would write each other's checkpoints.
     self._lock = workdir_lock.acquire(self.workdir, what="training workdir") if self.is_main else None
     try:
