@@ -83,10 +83,10 @@ def run(models: dict, prompts: dict, config, slots_list: list[int], query_limits
   return rows
 
 
-def main(args, load_config) -> None:
+def main(args) -> None:
   """Load the main job's student and AR baseline from `args.workdir`, run, write the report."""
   import d2f_jax
-  from d2f_jax.bench.serve import held_out_prompts
+  from d2f_jax.bench.main_job import held_out_prompts, load_config
   from d2f_jax.decode import DecodeConfig
   from d2f_jax.e2e.evaluation import decode_block_size
   from d2f_jax.reporting import write_report
