@@ -1,6 +1,6 @@
 """JAX's persistent compilation cache for the command-line programs, on by default on GPU and TPU.
 
-An LLaDA-8B decode or serving program takes minutes to compile on an accelerator host (README: compile
+An LLaDA-8B decode or serving program takes minutes to compile on an accelerator host (docs/pods.md: compile
 times; the unrolled v5e-8 decode over 20), and every process start would pay it again. With the cache, a
 program compiled once by any process on the host (same jax, libtpu / CUDA, program and flags) is read back
 from disk in seconds. The key includes everything that changes the executable, so a stale entry is never

@@ -112,7 +112,7 @@ def add_device_flags(parser) -> None:
   parser.add_argument("--layer_loop", default=None, choices=LAYER_LOOPS,
                       help="how cached forwards run the layers: 'auto' unrolls them (weights and cache read in place; "
                            "long compiles on TPU), 'scan' (compiles in seconds; on TPU copies q's and k's weight "
-                           "slices, README: compile times) (default: the model's, 'auto')")
+                           "slices, docs/pods.md: compile times) (default: the model's, 'auto')")
   parser.add_argument("--mesh", default=None,
                       help="decode on a device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; unnamed axes 1, "
                            "one may be -1 = the remaining devices); weights split by training's logical rules")

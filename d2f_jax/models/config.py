@@ -24,7 +24,7 @@ ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # are dynamic slices and the window kernel reads the stacked cache at the scan's counter: in place on TPU (the
 # cache and most weights; libtpu still copies q's and k's slices to feed its matmul a head-major output: 8 MiB
 # a layer a device for LLaDA-8B on v5e-8), all copied on GPU (~2x a decode step's traffic). A scanned decode
-# step compiles in a fraction of the unrolled one's time (README: compile times).
+# step compiles in a fraction of the unrolled one's time (docs/pods.md: compile times).
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 
 

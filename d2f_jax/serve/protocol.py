@@ -3,7 +3,7 @@ becomes for the engine.
 
 Unknown fields are refused (extra='forbid') rather than ignored, so a client never believes a setting it sent
 (logprobs, presence_penalty, best_of, ...) took effect; types are strict ("0.5" is not a number, true is not 1).
-Semantics that differ from OpenAI's, all stated in the README:
+Semantics that differ from OpenAI's, all stated in docs/serving.md:
 - greedy by default (temperature 0), the setting every D2F result in this project uses;
 - `max_tokens` may be any count up to the engine's bound: the engine decodes whole blocks, so it is rounded up
   to the block size and the answer is cut at `max_tokens` tokens (finish_reason 'length');
