@@ -23,7 +23,7 @@ from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.source import TOKENIZER_FILES, load_tokenizer  # noqa: F401  (public here too)
 from d2f_jax.decode.mesh import DecodeMesh
 from d2f_jax.decode.runner_model import shard_model, with_attention
-from d2f_jax.models import LoraConfig, ModelConfig, Transformer, logits_for_mode
+from d2f_jax.models import LoraConfig, ModelConfig, Transformer, abstract_model, logits_for_mode
 
 
 
@@ -126,7 +126,7 @@ def model_from_params(config: ModelConfig, params: dict, lora: LoraConfig | None
   """(graphdef, state) of a Transformer holding `params` (pure nested dict in our layout), without
   materialising a random initialisation first. Shapes are checked leaf by leaf. With `placement` (a
   decode.DecodeMesh) host arrays go slice by slice straight into their shardings."""
-  abstract = nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
+  abstract = abstract_model(config, lora)
   graphdef, state = nnx.split(abstract)
   values = {**params, "layers": {**params.get("layers", {}), **((lora_params or {}).get("layers", {}))}}
   expected = dict(nnx.to_flat_state(state))

@@ -63,8 +63,8 @@ def random_model(config, mesh):
   the decode shardings: the 8B weights never pass through the host."""
   from d2f_jax.api import Model
   from d2f_jax.decode.mesh import as_decode_mesh
-  from d2f_jax.models import Transformer
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  from d2f_jax.models import abstract_model
+  graphdef, state = nnx.split(abstract_model(config))
   pure = nnx.to_pure_dict(state)
   shardings = as_decode_mesh(mesh).param_shardings(state)
   leaves, tree = jax.tree.flatten(pure)

@@ -17,7 +17,7 @@ from d2f_jax.decode.config import DecodeConfig, DecodeSpec, resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.decode.result import DecodeResult
 from d2f_jax.decode.runner_programs import decode_loop
-from d2f_jax.models import ModelConfig, Transformer
+from d2f_jax.models import ModelConfig, abstract_model, with_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def decode_program(model, config: DecodeConfig, *, batch: int, prompt_width: int
   (compile-only topologies included) with axes data / fsdp / tensor; rules default to training's.
   """
   if isinstance(model, ModelConfig):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(model))
     model_config = model
   else:
     graphdef, state, model_config = model.graphdef, model.state, model.config
@@ -65,9 +65,7 @@ def decode_program(model, config: DecodeConfig, *, batch: int, prompt_width: int
 
   def sds(x, sharding):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  pure = jax.tree.map(sds, nnx.to_pure_dict(state), placement.param_shardings(state))
-  params = jax.tree.map(lambda x: x, state)
-  nnx.replace_by_pure_dict(params, pure)
+  params = with_shardings(state, placement.param_shardings(state))
   args = (params, jax.ShapeDtypeStruct((rows, prompt_width), jnp.int32, sharding=placement.rows(2)),
           jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=placement.rows(1)),
           sds(jax.eval_shape(lambda: jax.random.key(0)), rep), jax.tree.map(lambda x: sds(x, rep), knobs))

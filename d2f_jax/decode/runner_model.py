@@ -12,7 +12,7 @@ import dataclasses
 from flax import nnx
 
 from d2f_jax.decode.mesh import as_decode_mesh, place_state
-from d2f_jax.models import Transformer
+from d2f_jax.models import abstract_model
 
 
 def shard_model(model, mesh, rules=None):
@@ -29,5 +29,5 @@ def with_attention(model, impl: str):
     return model
   config = model.config.replace(attention_impl=impl)  # validates impl
   lora = getattr(nnx.merge(model.graphdef, model.state), "lora", None)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0))))
+  graphdef, _ = nnx.split(abstract_model(config, lora))
   return dataclasses.replace(model, config=config, graphdef=graphdef)

@@ -22,7 +22,7 @@ from flax import nnx
 from d2f_jax.decode import baselines, pipeline
 from d2f_jax.decode.config import DecodeConfig, DecodeSpec, resolve
 from d2f_jax.decode.mesh import as_decode_mesh, constrain_loop_state
-from d2f_jax.models import ModelConfig, Transformer
+from d2f_jax.models import ModelConfig, abstract_model, with_shardings
 from d2f_jax.sharding import mesh_layout
 
 KINDS = ("d2f_step", "ar_step", "full_step", "d2f_prefill", "ar_prefill")
@@ -117,7 +117,7 @@ def step_program(model, shape: StepShape, *, mesh=None, rules=None, prompt=None,
   placement = as_decode_mesh(mesh, rules)
   layout = None if placement is None else placement.layout
   if isinstance(model, ModelConfig):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(model))
     config, abstract = model, True
   else:
     graphdef, state, config, abstract = model.graphdef, model.state, model.config, False
@@ -132,8 +132,7 @@ def step_program(model, shape: StepShape, *, mesh=None, rules=None, prompt=None,
   if abstract:
     shardings = (jax.tree.map(lambda _: None, nnx.to_pure_dict(state)) if placement is None
                  else placement.param_shardings(state))
-    params = jax.tree.map(lambda x: x, state)
-    nnx.replace_by_pure_dict(params, jax.tree.map(place, nnx.to_pure_dict(state), shardings))
+    params = with_shardings(state, shardings)
     tokens = jax.ShapeDtypeStruct((rows, shape.prompt), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
   else:

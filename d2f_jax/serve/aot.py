@@ -15,19 +15,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d2f_jax.decode.config import resolve
 from d2f_jax.decode.mesh import as_decode_mesh
-from d2f_jax.models import KVCache, ModelConfig, Transformer
+from d2f_jax.models import KVCache, ModelConfig, abstract_model, with_shardings
 from d2f_jax.serve import programs
 from d2f_jax.serve.config import EngineConfig
 
 
 def _abstract_params(model_config: ModelConfig, placement):
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
-  shardings = placement.param_shardings(state)
-  pure = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nnx.to_pure_dict(state),
-                      shardings)
-  params = jax.tree.map(lambda x: x, state)
-  nnx.replace_by_pure_dict(params, pure)
-  return graphdef, params
+  graphdef, state = nnx.split(abstract_model(model_config))
+  return graphdef, with_shardings(state, placement.param_shardings(state))
 
 
 def _slot_shardings(tree, placement, slots: int):

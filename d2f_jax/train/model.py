@@ -21,7 +21,7 @@ from flax import nnx
 
 from d2f_jax import convert
 from d2f_jax.convert.finite import check_tree
-from d2f_jax.models import LoraConfig, ModelConfig, Transformer, preset
+from d2f_jax.models import LoraConfig, ModelConfig, Transformer, abstract_model, preset
 from d2f_jax import sharding
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class TrainModels:
 
 
 def _abstract(config: ModelConfig, lora: LoraConfig | None) -> Transformer:
-  return nnx.eval_shape(lambda: Transformer(config, lora, rngs=nnx.Rngs(0)))
+  return abstract_model(config, lora)
 
 
 def pure_abstract(state: nnx.State) -> dict:
