@@ -65,6 +65,7 @@ def bad_cases(tmp):
       ("d2f_jax.serve", ["--model", model, "--policy", "throughput"], "--policy 'throughput' decodes every request "
                                                                       "at query_limit: set query_limit"),
       ("d2f_jax.serve", ["--model", model, "--auto_modes", "8:x"], "--auto_modes must be 'SLOTS:Q,...'"),
+      ("d2f_jax.serve", ["--model", model, "--api_key", ""], "--api_key (or $D2F_API_KEY) must not be empty"),
       ("d2f_jax.serve", ["--model", model, "--frontier", "/nonexistent/f.json"],
        "--frontier /nonexistent/f.json: not a `bench cost --frontier --json` report"),
       ("d2f_jax.serve", ["--model", model, "--frontier", frontier], "choose one with --frontier_target"),

@@ -52,6 +52,9 @@ def _checkpoint(directory: pathlib.Path) -> pathlib.Path:
   return directory
 
 
+API_KEY = "test-key"  # the server is started with it (--api_key)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 class Server:
   def __init__(self, checkpoint: pathlib.Path, log: pathlib.Path):
     self.port, self.log = _free_port(), log
@@ -61,9 +64,9 @@ class Server:
       self.proc = subprocess.Popen(
           [sys.executable, "-m", "d2f_jax.serve", "--model", str(checkpoint), "--port", str(self.port),
            "--slots", "4", "--block_size", "4", "--max_new_tokens", "16", "--max_prompt_len", "32",
-           "--served_model_name", "tiny", "--grace_s", "60"], stdout=out, stderr=subprocess.STDOUT, env=env)
+           "--served_model_name", "tiny", "--grace_s", "60", "--api_key", API_KEY], stdout=out, stderr=subprocess.STDOUT, env=env)
     self.url = f"http://127.0.0.1:{self.port}"
-    self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
   def wait_ready(self) -> None:
     deadline = time.monotonic() + STARTUP_S
@@ -213,12 +216,27 @@ def _wait_all_slots_free(server, bound_s=120):
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(served):
   server, texts, _ = served
   for _ in range(4):  # as many as there are slots: a slot kept by a gone client would starve the last request
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers=AUTH,
                       json={"model": "tiny", "prompt": PROMPTS[4], "stream": True}) as response:
       assert response.status_code == 200
       next(response.iter_lines())  # the first chunk, then the client goes away
   _wait_all_slots_free(server)
   assert server.client.completions.create(model="tiny", prompt=PROMPTS[0]).choices[0].text == texts[PROMPTS[0]]
+
+
+def test_the_api_key_guards_every_v1_route_and_not_health(served):
+  """The fixture's server runs with --api_key (every other test sends it through the openai client)."""
+  server = served[0]
+  for headers, message in (({}, "wants an API key"), ({"Authorization": "Bearer wrong"}, "not this server's")):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+      response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "w1"}, timeout=30)
+      assert response.status_code == 401, (path, response.text)
+      error = response.json()["error"]
+      assert error["type"] == "AuthenticationError" and error["code"] == 401 and message in error["message"]
+  assert httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+  assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # no key: load balancers probe it
+  with pytest.raises(openai.AuthenticationError):
+    openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
 class _FakeEngine:

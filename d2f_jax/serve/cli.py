@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import threading
 
@@ -20,6 +21,7 @@ from d2f_jax.serve.config import AUTO_FROM_SLOTS, POLICIES, EngineConfig, auto_m
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
+API_KEY_ENV = "D2F_API_KEY"  # as vLLM's VLLM_API_KEY
 _DEFAULTS = EngineConfig()  # every engine flag's default is the dataclass's, never retyped here
 
 
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "--frontier_model when it holds several)")
   p.add_argument("--frontier_target", default=None, help="--frontier: the target's rows (h100, v5p-8, ...)")
   p.add_argument("--frontier_model", default=None, help="--frontier: the model's rows (llada-8b, dream-7b)")
+  p.add_argument("--api_key", default=os.environ.get(API_KEY_ENV) or None,
+                 help=f"require `Authorization: Bearer KEY` on every /v1 route (401 otherwise; /health stays open); "
+                      f"default: ${API_KEY_ENV}, else none")
   p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
   config = _engine_config(args)
   if not 0 < args.port < 65536:
     raise UsageError(f"--port must lie in 1..65535, got {args.port}")
+  if args.api_key == "":
+    raise UsageError(f"--api_key (or ${API_KEY_ENV}) must not be empty")
   if args.grace_s < 0:
     raise UsageError(f"--grace_s must be >= 0, got {args.grace_s}")
   try:
@@ -167,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
   log.info("warm-up (compiles) took %.1f s", engine.warm_up())
   engine.start()
   name = args.served_model_name or args.model
-  app = create_app(engine, model, name)
+  app = create_app(engine, model, name, api_key=args.api_key)
+  if args.api_key is not None:
+    log.info("every /v1 route wants the API key (Authorization: Bearer ...)")
   uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                   timeout_graceful_shutdown=int(args.grace_s) + 5)
   server = _make_draining_server()(uvicorn_config, app, engine, args.grace_s)

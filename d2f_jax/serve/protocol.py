@@ -135,6 +135,6 @@ ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids"
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
   """OpenAI's error object (vLLM's `type` names)."""
-  kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
+  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
           503: "ServiceUnavailableError"}.get(status, "InternalServerError")
   return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import time
 import uuid
 from typing import AsyncIterator
@@ -147,11 +148,22 @@ def _sse(data: dict) -> str:
   return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(engine, model, served_model_name: str) -> FastAPI:
+def create_app(engine, model, served_model_name: str, api_key: str | None = None) -> FastAPI:
   """The app over a started engine. `app.state.draining = True` makes /health answer 503 (the CLI sets it on
-  SIGTERM, as it shuts the engine down; the engine then refuses new requests: 503)."""
+  SIGTERM, as it shuts the engine down; the engine then refuses new requests: 503). With `api_key`, every /v1
+  route wants `Authorization: Bearer <api_key>` (401 otherwise, as vLLM's --api-key); /health stays open."""
   app = FastAPI(title="d2f_jax", docs_url=None, redoc_url=None, openapi_url=None)
   app.state.draining = False
+  if api_key is not None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+      given = request.headers.get("authorization", "").encode()
+      if request.url.path.startswith("/v1") and not secrets.compare_digest(given, expected):
+        return _error(401, "this server wants an API key: send the header `Authorization: Bearer <key>`"
+                      if not given else "the API key is not this server's")
+      return await call_next(request)
   cfg = engine.config
   stops = tuple(dict.fromkeys(t for t in (model.config.eos_token_id, model.config.eot_token_id) if t is not None))
 
