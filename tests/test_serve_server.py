@@ -8,6 +8,7 @@ No test depends on timing beyond generous bounded waits.
 """
 
 import asyncio
+import json
 import concurrent.futures
 import os
 import pathlib
@@ -237,6 +238,32 @@ def test_the_api_key_guards_every_v1_route_and_not_health(served):
   assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # no key: load balancers probe it
   with pytest.raises(openai.AuthenticationError):
     openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_prompt_that_cannot_be_tokenized_or_an_overflowing_field_is_a_400_naming_it(served):
+  """A lone surrogate reaches the tokenizer as a str it refuses; top_k 2**31 would overflow an int32 knob."""
+  server = served[0]
+  for body, param in (({"prompt": "w5 \ud800 w7"}, "prompt"), ({"prompt": "w5", "top_k": 2147483648}, "top_k"),
+                      ({"prompt": "w5", "stop_token_ids": [2 ** 40]}, "stop_token_ids")):
+    response = httpx.post(f"{server.url}/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
+                          content=json.dumps({"model": "tiny", **body}), timeout=60)  # \ud800 escaped
+    assert response.status_code == 400, (body, response.text)
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_an_unexpected_failure_is_a_json_500_with_an_id():
+  from d2f_jax.serve.server import create_app
+  model = types.SimpleNamespace(config=TINY_DREAM, tokenizer=None)
+  app = create_app(_FakeEngine(RuntimeError("boom")), model, "tiny")
+
+  async def post():
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+      return await client.post("/v1/completions", json={"prompt": [1, 2]})
+  response = asyncio.run(post())
+  error = response.json()["error"]
+  assert response.status_code == 500 and error["code"] == 500 and error["message"].startswith("internal error ")
+  assert "RuntimeError" in error["message"] and "boom" not in error["message"]
 
 
 class _FakeEngine:

@@ -107,8 +107,8 @@ class DecodeConfig:
       raise ValueError(f"DecodeConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"DecodeConfig.top_p must lie in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-      raise ValueError(f"DecodeConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2 ** 31:
+      raise ValueError(f"DecodeConfig.top_k must be an int in [0, 2**31) (0: off), got {self.top_k!r}")
     if self.alg not in DREAM_ALGS:
       raise ValueError(f"DecodeConfig.alg must be one of {DREAM_ALGS}, got {self.alg!r}")
     if self.steps is not None:
@@ -120,7 +120,8 @@ class DecodeConfig:
           raise ValueError(f"DecodeConfig.steps ({self.steps}) must be a multiple of the number of blocks "
                            f"({blocks}) with at most block_size ({self.block_size}) steps per block")
     if self.stop_tokens is not None:
-      if len(self.stop_tokens) > MAX_STOP_TOKENS or any(not isinstance(t, int) or t < 0 for t in self.stop_tokens):
+      if len(self.stop_tokens) > MAX_STOP_TOKENS or any(not isinstance(t, int) or not 0 <= t < 2 ** 31
+                                                         for t in self.stop_tokens):
         raise ValueError(f"DecodeConfig.stop_tokens must be at most {MAX_STOP_TOKENS} non-negative ints, "
                          f"got {self.stop_tokens!r}")
     budget = self.memory_budget_gib
@@ -128,7 +129,7 @@ class DecodeConfig:
                                or not math.isfinite(budget) or budget <= 0):
       raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
     for name, value in (("query_limit", self.query_limit), ("position_budget", self.position_budget)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31):
         raise ValueError(f"DecodeConfig.{name} must be a positive int or None, got {value!r}")
       if value is not None and self.method not in ("d2f", "threshold"):
         raise ValueError(f"DecodeConfig.{name} is a mode of method 'd2f' / 'threshold', not {self.method!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -27,6 +28,8 @@ from starlette.exceptions import HTTPException
 from d2f_jax.serve.protocol import (ENGINE_FIELDS, BadRequest, ChatMessage, ChatRequest, CompletionRequest, Plan,
                                     error_body, plan)
 from d2f_jax.serve.types import EngineStopped, Event, QueueFull, RequestError
+
+log = logging.getLogger("d2f_jax.serve")
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union branches in an error's loc
 
@@ -185,6 +188,13 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
   async def http_error(_, exc: HTTPException):
     return _error(exc.status_code, str(exc.detail))
 
+  @app.exception_handler(Exception)
+  async def internal_error(request: Request, exc: Exception):
+    """The last resort: whatever a request holds, a JSON 500 with an id to find its traceback in the log."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+    return _error(500, f"internal error {error_id}: {type(exc).__name__} (the server's log has the traceback)")
+
   @app.get("/health")
   async def health():
     load = engine.load()
@@ -205,7 +215,10 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
     if isinstance(body.prompt, str):
       if model.tokenizer is None:
         return _error(400, "prompt: this model has no tokenizer; send a list of token ids", "prompt")
-      ids = model.encode(body.prompt)
+      try:
+        ids = model.encode(body.prompt)
+      except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate: the tokenizer's TypeError
+        return _error(400, f"prompt: cannot be tokenized ({type(e).__name__}: {str(e)[:120]})", "prompt")
     else:
       ids = body.prompt
     return await _respond(body, request, lambda: ids, "prompt", "cmpl")
