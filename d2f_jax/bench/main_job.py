@@ -21,14 +21,36 @@ def load_config(path_and_arg: str):
     raise UsageError(f"--config {path_and_arg}: {e}") from None
 
 
-def load_student(workdir: str, config: str = DEFAULT_CONFIG):
-  """The main job's D2F student and its config; a clear exit when the main job has not been run."""
+STAGE_MODELS = {"student": "D2F student", "ar": "AR baseline"}  # the stages whose models the benchmarks load
+
+
+def stage_model(workdir: str, stage: str, config: str = DEFAULT_CONFIG):
+  """The main job's trained model of `stage` (its hf export); a clear exit when the main job has not made it."""
   import d2f_jax
-  path = os.path.join(workdir, "student", "hf")
+  path = os.path.join(workdir, stage, "hf")
   if not os.path.isfile(os.path.join(path, "config.json")):
-    raise UsageError(f"no trained D2F student in {path}: run `python -m d2f_jax.main --workdir {workdir}` "
-                     "first (about 12 minutes on 2 CPU cores), or pass --workdir")
-  return d2f_jax.load_model(path), load_config(config)
+    with_config = "" if config == DEFAULT_CONFIG else f" --config {config}"
+    raise UsageError(f"no trained {STAGE_MODELS[stage]} in {path}: run `python -m d2f_jax.main{with_config} "
+                     f"--workdir {workdir}` first (about 12 minutes on 2 CPU cores), or pass --workdir")
+  return d2f_jax.load_model(path)
+
+
+def load_student(workdir: str, config: str = DEFAULT_CONFIG):
+  """The main job's D2F student and its config."""
+  return stage_model(workdir, "student", config), load_config(config)
+
+
+def warm_engine(model, config, *, slots: int, max_prompt_len: int, steps_per_call: int, max_insert: int,
+                method: str = "d2f", query_limit: int | None = None):
+  """A serving engine for `config`'s decode (block, answer bound, prompt bucket) over `slots` slots, warmed up
+  (every program compiled)."""
+  from d2f_jax.serve import Engine, EngineConfig
+  engine = Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size,
+                                      max_new_tokens=config.max_new_tokens, max_prompt_len=max_prompt_len,
+                                      prompt_bucket=config.prompt_buckets, steps_per_call=steps_per_call,
+                                      max_insert=max_insert, query_limit=query_limit))
+  engine.warm_up()
+  return engine
 
 
 def held_out_prompts(model, c, limit: int) -> list[list[int]]:

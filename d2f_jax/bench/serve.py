@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from d2f_jax.bench.main_job import DEFAULT_CONFIG, DEFAULT_WORKDIR, held_out_prompts, load_student
+from d2f_jax.bench.main_job import DEFAULT_CONFIG, DEFAULT_WORKDIR, held_out_prompts, load_student, warm_engine
 from d2f_jax.reporting import write_report
 from d2f_jax.usage import ArgumentParser
 
@@ -46,13 +46,10 @@ def static_batches(model, prompts, config, slots: int):
 def engine_run(model, prompts, config, slots: int, steps_per_call: int, max_insert: int):
   """A timer for the engine with `slots` slots over every prompt: run() -> (tokens per prompt, seconds);
   the engine, warmed up (every program compiled, the slots filled and refilled once)."""
-  from d2f_jax.serve import Engine, EngineConfig, RequestSettings
-  engine = Engine(model, EngineConfig(slots=slots, block_size=config.block_size,
-                                      max_new_tokens=config.max_new_tokens, max_prompt_len=max(map(len, prompts)),
-                                      prompt_bucket=config.prompt_buckets, steps_per_call=steps_per_call,
-                                      max_insert=max_insert))
+  from d2f_jax.serve import RequestSettings
+  engine = warm_engine(model, config, slots=slots, max_prompt_len=max(map(len, prompts)),
+                       steps_per_call=steps_per_call, max_insert=max_insert)
   settings = RequestSettings(tau_add=config.tau_add, tau_act=config.tau_act, tau_conf=config.tau_conf)
-  engine.warm_up()
   engine.complete(prompts[:slots + 1], settings)
 
   def run():

@@ -15,11 +15,12 @@ positions per accepted token, not the memory-bound ratio an accelerator would sh
 
 from __future__ import annotations
 
-import os
 import time
 
 import jax
 import numpy as np
+
+from d2f_jax.bench.main_job import warm_engine
 
 
 def query_limits_of(c, block_size: int) -> list[int]:
@@ -27,16 +28,6 @@ def query_limits_of(c, block_size: int) -> list[int]:
   None, q or None)), in sweep order without repeats."""
   found = [q for block, q in c.get("mode_sweep", ()) if q is not None and block in (None, block_size)]
   return list(dict.fromkeys(found))
-
-
-def _engine(model, method: str, slots: int, config, longest: int, args, query_limit: int | None):
-  from d2f_jax.serve import Engine, EngineConfig
-  engine = Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size,
-                                      max_new_tokens=config.max_new_tokens, max_prompt_len=longest,
-                                      prompt_bucket=args.prompt_bucket, steps_per_call=args.steps_per_call,
-                                      max_insert=args.max_insert, query_limit=query_limit))
-  engine.warm_up()
-  return engine
 
 
 def _alone(model, prompts, config) -> list[list[int]]:
@@ -58,7 +49,9 @@ def run(models: dict, prompts: dict, config, slots_list: list[int], query_limits
   longest = max(len(p) for ps in prompts.values() for p in ps)
   rows = []
   for slots in slots_list:
-    engines = {mode: _engine(models[mode[0]], mode[0], slots, config, longest, args, mode[1]) for mode in modes}
+    engines = {mode: warm_engine(models[mode[0]], config, slots=slots, max_prompt_len=longest,
+                                 steps_per_call=args.steps_per_call, max_insert=args.max_insert, method=mode[0],
+                                 query_limit=mode[1]) for mode in modes}
     best, done = {}, {}
     for _ in range(args.repeats):
       for mode, engine in engines.items():
@@ -85,19 +78,12 @@ def run(models: dict, prompts: dict, config, slots_list: list[int], query_limits
 
 def main(args) -> None:
   """Load the main job's student and AR baseline from `args.workdir`, run, write the report."""
-  import d2f_jax
-  from d2f_jax.bench.main_job import held_out_prompts, load_config
+  from d2f_jax.bench.main_job import held_out_prompts, load_config, stage_model
   from d2f_jax.decode import DecodeConfig
   from d2f_jax.e2e.evaluation import decode_block_size
   from d2f_jax.reporting import write_report
-  from d2f_jax.usage import UsageError
   c = load_config(args.config)
-  paths = {"d2f": os.path.join(args.workdir, "student", "hf"), "ar": os.path.join(args.workdir, "ar", "hf")}
-  for path in paths.values():
-    if not os.path.isfile(os.path.join(path, "config.json")):
-      raise UsageError(f"no trained model in {path}: run `python -m d2f_jax.main --config {args.config} "
-                       f"--workdir {args.workdir}` first, or pass --workdir")
-  models = {name: d2f_jax.load_model(path) for name, path in paths.items()}
+  models = {name: stage_model(args.workdir, stage, args.config) for name, stage in (("d2f", "student"), ("ar", "ar"))}
   prompts = {name: held_out_prompts(model, c, args.limit) for name, model in models.items()}
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
   block = decode_block_size(c)

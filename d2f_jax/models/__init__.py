@@ -11,7 +11,8 @@ from d2f_jax.models.layers import positions_from_mask
 from d2f_jax.models.transformer import PROJECTIONS, Transformer, align_logits, proj_shape
 
 __all__ = [
-    "abstract_model", "with_shardings", "ATTENTION_MODES", "PAD_ID", "attention_ids", "attention_reference", "DREAM_7B", "LLADA_8B", "PRESETS",
+    "abstract_model", "with_shardings", "ATTENTION_MODES", "PAD_ID", "attention_ids", "attention_reference",
+    "DREAM_7B", "LLADA_8B", "PRESETS",
     "TINY_DREAM", "TINY_LLADA", "LoraConfig", "ModelConfig", "preset", "forward", "logits_for_mode", "KVCache",
     "positions_from_mask", "PROJECTIONS", "Transformer", "align_logits", "proj_shape",
 ]

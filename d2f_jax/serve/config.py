@@ -45,7 +45,7 @@ class EngineConfig:
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
                  "max_insert", "queue_size"):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      if not _positive(value):
         raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
     if self.method not in ENGINE_METHODS:
       raise ValueError(f"EngineConfig.method must be one of {tuple(ENGINE_METHODS)}, got {self.method!r}")
@@ -54,8 +54,7 @@ class EngineConfig:
                        f"({self.block_size})")
     for name in ("query_limit", "position_budget"):
       value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0
-                                or self.method != "d2f"):
+      if value is not None and (not _positive(value) or self.method != "d2f"):
         raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
                          f"(method {self.method!r})")
     self._check_policy()
