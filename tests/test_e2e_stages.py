@@ -85,3 +85,21 @@ def test_a_changed_upstream_stage_changes_the_downstream_identity():
   a = pipeline.stage_identity(config, {"total_steps": 4}, {"seed": 0})
   b = pipeline.stage_identity(config, {"total_steps": 5}, {"seed": 0})
   assert a != b and a["init.total_steps"] == 4 and "model.path" not in a
+
+
+def test_fields_added_later_are_left_out_at_their_defaults():
+  """A teacher stage finished before mdm.semi_ar existed trained as its default does: still reused. The long
+  variant's teacher (semi_ar > 0) records it; its window is the decode block (32, the default: left out)."""
+  for arg, semi_ar, window in (("smoke", None, 32), ("long,smoke", 0.5, 32)):
+    c = _config(arg)
+    kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
+    kw.pop("init")
+    config = pipeline.stage_config(c, data_path="d", tokenizer_dir="t", **kw)
+    identity = pipeline.stage_identity(config)
+    assert identity.get("mdm.semi_ar") == semi_ar and "mdm.window" not in identity and config.mdm.window == window
+    assert identity["mdm.eps"] == 1e-3
+  c = _config("long,smoke")
+  c.decode_block_size = 16
+  kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
+  kw.pop("init")
+  assert pipeline.stage_identity(pipeline.stage_config(c, data_path="d", tokenizer_dir="t", **kw))["mdm.window"] == 16

@@ -72,6 +72,36 @@ def test_mdm_loss_equals_numpy(config):
     np.testing.assert_allclose(float(sums["ce"]) / float(sums["response"]), expected, rtol=1e-5)
 
 
+def test_mdm_semi_ar_rows_are_a_semi_ar_decodes_states():
+  """semi_ar=1: every row is clean before its cut, masked with probability t over `window` positions from
+  it and masked after; weights 1/t in the window, 1 after. semi_ar=0 draws exactly the iid masks."""
+  config, eps, window = TINY_DREAM, 1e-3, 4
+  tokens, prompt_len = _batch(config, length=32)
+  key = jax.random.PRNGKey(3)
+  plain = noise_mdm(key, tokens, prompt_len, eps=eps, mask_token_id=config.mask_token_id)
+  same = noise_mdm(key, tokens, prompt_len, eps=eps, mask_token_id=config.mask_token_id, semi_ar=0.0, window=window)
+  np.testing.assert_array_equal(np.asarray(plain.masked), np.asarray(same.masked))
+  seen_window = False
+  for seed in range(6):
+    noised = noise_mdm(jax.random.PRNGKey(seed), tokens, prompt_len, eps=eps, mask_token_id=config.mask_token_id,
+                       semi_ar=1.0, window=window)
+    masked, weight, t = np.asarray(noised.masked), np.asarray(noised.weight), np.asarray(noised.t)
+    for row in range(3):
+      start = int(prompt_len[row])
+      hits = np.flatnonzero(masked[row])
+      assert hits.size and hits.min() >= start, "some response position is masked, no prompt position"
+      # The cut: no masked position before it, every position from cut + window on masked.
+      tail = np.flatnonzero(~masked[row])
+      after = tail.max() + 1 if tail.size else 0  # all masked from here on
+      assert not masked[row, :hits.min()].any() and masked[row, max(after, start):].all()
+      assert after - hits.min() <= window, "the partly masked stretch is at most the window"
+      window_hits = [j for j in hits if j < after] if after > hits.min() else []
+      seen_window |= bool(window_hits)
+      np.testing.assert_allclose(weight[row, window_hits], 1 / t[row], rtol=1e-6)
+      np.testing.assert_allclose(weight[row, hits[hits >= max(after, hits.min() + window)]], 1.0)
+  assert seen_window, "some row's window was partly masked"
+
+
 @pytest.mark.parametrize("config", [TINY_LLADA, TINY_DREAM], ids=["llada", "dream"])
 def test_ar_loss_equals_numpy(config):
   model = random_model(config, seed=2)

@@ -11,7 +11,6 @@ when the run is restarted, an unfinished one resumes from its newest checkpoint.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import ml_collections
 import d2f_jax
 from d2f_jax import workdir_lock
 from d2f_jax.decode import DecodeConfig, generate
-from d2f_jax.decode.config import ATTENTION_KEY
+from d2f_jax.convert.hf_config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
 from d2f_jax.e2e import ceiling, evaluation, report
 from d2f_jax.reporting import write_json
@@ -32,9 +31,7 @@ from d2f_jax.tasks.arithmetic import STYLES, ArithmeticTask
 from d2f_jax.train import config as train_config
 from d2f_jax.train.trainer import Trainer
 
-log = logging.getLogger(__name__)
-
-# What each exported model is, for `d2f_jax.decode.config.check_method_fits` (config.json ATTENTION_KEY).
+# What each exported model is, for `d2f_jax.decode.methods.check_method_fits` (config.json ATTENTION_KEY).
 STAGE_ATTENTION = {"ar": "causal", "teacher": "bidirectional", "student": "block_causal",
                    "llada_teacher": "bidirectional"}
 
@@ -57,7 +54,7 @@ def model_overrides(c: ml_collections.ConfigDict, family: str) -> dict:
 
 def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps: int, lr: float, warmup: int,
                  model_path: str | None = None, family: str = "dream", finetune: str = "full", lora_rank: int = 32,
-                 decay: str = "constant"):
+                 decay: str = "constant", semi_ar: float = 0.0):
   """A Trainer config for one stage on the pre-tokenized task data: random init of `family` without a
   `model_path`, else initialised from that stage's export (same layout, any objective)."""
   t = train_config.base_config()
@@ -74,20 +71,17 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   t.model.dtype = "float32"
   t.finetune = finetune
   t.lora.update(dict(rank=lora_rank, alpha=float(lora_rank), dropout=0.0))
-  t.data.source = "npz"
-  t.data.path = data_path
-  t.data.tokenizer = tokenizer_dir
-  t.data.seq_len = c.seq_len
-  t.data.eval_examples = 4 * c.batch_size
+  t.data.update(dict(source="npz", path=data_path, tokenizer=tokenizer_dir, seq_len=c.seq_len,
+                     eval_examples=4 * c.batch_size))
   t.optim.lr = lr
   t.optim.warmup_steps = warmup
   t.optim.decay = decay
+  if semi_ar:  # mdm rows noised as a semi-AR decode's states, over the decode block (train/loss_mdm.py)
+    t.mdm.update(dict(semi_ar=semi_ar, window=evaluation.decode_block_size(c)))
   t.optim.weight_decay = 0.0 if model_path is None else t.optim.weight_decay
   t.mesh.update(dict(data=1, fsdp=-1, tensor=1))
   t.checkpoint.update(dict(every=max(steps // 4, 1), keep=1))
-  t.log_every = max(steps // 20, 1)
-  t.eval_every = max(steps // 4, 1)
-  t.eval_batches = 2
+  t.log_every, t.eval_every, t.eval_batches = max(steps // 20, 1), max(steps // 4, 1), 2
   train_config.validate(t)
   return t
 
@@ -131,12 +125,16 @@ def data_identity(c) -> dict:
 
 
 PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are, not what was trained
+# Trainer fields added after stages were first recorded: left out at these defaults, so older finished stages
+# (which trained as the defaults do) are reused.
+LATER_FIELDS = {"mdm.semi_ar": 0.0, "mdm.window": 32}
 
 
 def stage_identity(config, upstream: dict | None = None, data: dict | None = None) -> dict:
   """What a stage's result depends on, flat: its Trainer config (paths left out: they follow the workdir),
   the fields the training data was generated from, and its initialising stage's identity (`init.*`)."""
-  fields = {k: v for k, v in _flat(config.to_dict()).items() if k not in PATH_FIELDS}
+  fields = {k: v for k, v in _flat(config.to_dict()).items()
+            if k not in PATH_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
   fields.update({f"data_source.{k}": v for k, v in _flat(data or {}).items()})
   fields.update({f"init.{k}": v for k, v in (upstream or {}).items()})
   return json.loads(json.dumps(fields, default=str))  # as it reads back from stage_done.json
@@ -223,7 +221,8 @@ def stages(c) -> list[tuple[str, str, dict]]:
   out = [("ar", "AR pre-training of the Dream-layout model (also the AR baseline)",
           dict(objective="ar", steps=c.ar.steps, lr=c.ar.lr, warmup=c.ar.warmup, decay=c.ar.decay, family="dream")),
          ("teacher", "MDM adaptation of the AR model with shifted logits (the teacher)",
-          dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, decay=c.teacher.decay, init="ar")),
+          dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, decay=c.teacher.decay,
+               semi_ar=c.teacher.get("semi_ar", 0.0), init="ar")),
          ("student", "D2F asymmetric distillation of the teacher (the student)",
           dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup, decay=c.student.decay,
                finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]

@@ -8,6 +8,12 @@ the noised row bidirectionally and the loss is
 
 an unbiased estimate of the negative ELBO per response token (LLaDA's SFT estimator; with no prompt it is
 the pre-training one). Dream's logit shift is applied when the model has it.
+
+`semi_ar` > 0 mixes in, for that fraction of rows, the states a semi-autoregressive decoder visits: the
+response before a uniformly drawn cut is clean, the `window` positions from the cut are masked with
+probability t, everything after them is masked (weight 1: their t is 1). Still an MDM loss on masked
+tokens; a model trained for minutes does not generalize from iid masks to a long all-masked suffix,
+which a block-by-block decode of a long answer starts every block from (the long miniature's teacher).
 """
 
 from __future__ import annotations
@@ -31,19 +37,29 @@ class MdmNoised:
 
 
 def noise_mdm(key: jax.Array, tokens: jax.Array, prompt_len: jax.Array, *, eps: float,
-              mask_token_id: int) -> MdmNoised:
+              mask_token_id: int, semi_ar: float = 0.0, window: int = 32) -> MdmNoised:
   """Mask the response of `tokens` [B, T] (from prompt_len [B] on) with a per-row ratio t ~ U(eps, 1).
 
   t = eps + (1 - eps) u with u = uniform(t_key, [B]); a position is masked iff uniform(mask_key, [B, T]) < t,
-  where (t_key, mask_key) = split(key): a test can redraw the same mask from the same key.
+  where (t_key, mask_key) = split(key): a test can redraw the same mask from the same key. With `semi_ar` > 0
+  (module docstring) a third and fourth key draw which rows are semi-autoregressive and their cuts.
   """
   batch, length = tokens.shape
   t_key, mask_key = jax.random.split(key)
   t = eps + (1.0 - eps) * jax.random.uniform(t_key, (batch,), jnp.float32)  # [B]
-  response = jnp.arange(length, dtype=jnp.int32)[None, :] >= prompt_len.astype(jnp.int32)[:, None]  # [B, T]
-  masked = response & (jax.random.uniform(mask_key, (batch, length), jnp.float32) < t[:, None])
+  positions = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
+  prompt_len = prompt_len.astype(jnp.int32)[:, None]  # [B, 1]
+  response = positions >= prompt_len  # [B, T]
+  p = jnp.broadcast_to(t[:, None], (batch, length))  # [B, T] each position's mask probability
+  if semi_ar > 0.0:
+    row_key, cut_key = jax.random.split(jax.random.fold_in(key, 1))
+    chosen = jax.random.uniform(row_key, (batch, 1)) < semi_ar  # [B, 1]
+    cut = prompt_len + jnp.floor(jax.random.uniform(cut_key, (batch, 1)) * (length - prompt_len)).astype(jnp.int32)
+    staged = jnp.where(positions < cut, 0.0, jnp.where(positions < cut + window, t[:, None], 1.0))  # [B, T]
+    p = jnp.where(chosen, staged, p)
+  masked = response & (jax.random.uniform(mask_key, (batch, length), jnp.float32) < p)
   return MdmNoised(tokens=jnp.where(masked, mask_token_id, tokens).astype(jnp.int32), clean=tokens.astype(jnp.int32),
-                   masked=masked, weight=jnp.where(masked, 1.0 / t[:, None], 0.0), response=response, t=t)
+                   masked=masked, weight=jnp.where(masked, 1.0 / jnp.maximum(p, eps), 0.0), response=response, t=t)
 
 
 def mdm_sums(model: Transformer, noised: MdmNoised, *, dropout_key: jax.Array | None = None,

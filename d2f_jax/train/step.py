@@ -38,6 +38,8 @@ class StepSpec:
   batch_sharding: NamedSharding | None = None  # rows of each microbatch inside the step
   objective: str = "distill"  # a key of objectives.OBJECTIVES
   mdm_eps: float = 1e-3  # mdm: the mask ratio t ~ U(mdm_eps, 1)
+  mdm_semi_ar: float = 0.0  # mdm: fraction of rows noised as a semi-AR decode's states (loss_mdm.py)
+  mdm_window: int = 32  # mdm: their partly masked window after the cut
   # How the model's activations and kernel calls split on the mesh: the rules' layout (spec_from_config and
   # the compiled steps fill it from the mesh and rules); None only for a spec used off any mesh.
   layout: MeshLayout | None = None
@@ -66,7 +68,8 @@ def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Ru
                   optim=OptimSpec.from_config(config.optim, config.total_steps), block_size=config.block_size,
                   micro_batches=config.micro_batches, loss_chunk=config.loss_chunk,
                   batch_sharding=sharding.batch_sharding(mesh, rules), objective=config.objective,
-                  mdm_eps=float(config.mdm.eps), layout=layout_from_rules(mesh, rules))
+                  mdm_eps=float(config.mdm.eps), mdm_semi_ar=float(config.mdm.get("semi_ar", 0.0)),
+                  mdm_window=int(config.mdm.get("window", 32)), layout=layout_from_rules(mesh, rules))
 
 
 def _microbatches(tree, m: int, batch_sharding):
