@@ -42,7 +42,8 @@ def get_config(arg=None):
   # the annealed model adapts badly, so the teacher starts from the un-annealed one; from a 700-step constant-rate
   # AR model the teacher reaches 34.4 %.
   c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60, decay="constant"))
-  c.teacher = ml_collections.ConfigDict(dict(steps=1400, lr=1e-3, warmup=30, decay="cosine"))
+  # semi_ar: the fraction of the teacher's MDM rows noised as a semi-AR decode's states (train/loss_mdm.py).
+  c.teacher = ml_collections.ConfigDict(dict(steps=1400, lr=1e-3, warmup=30, decay="cosine", semi_ar=0.0))
   c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32,
                                                decay="cosine"))
   c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="cosine"))  # 0: skipped
@@ -74,7 +75,7 @@ def get_config(arg=None):
     c.d2f_sweep = [(0.1, 0.95, 0.9), (0.5, 0.9, 0.7)]
     if arg.long:  # two decode blocks and two problems: vanilla runs every step of the untrained models
       c.max_new_tokens, c.task.test = 64, 2
-      c.mode_sweep = [(None, 4), (16, 4)]
+      c.mode_sweep = [(None, 4), (16, 4), (None, 4, True)]
   return c
 
 
@@ -88,4 +89,8 @@ def _long(c: ml_collections.ConfigDict) -> None:
   c.seq_len = 304  # the longest training row is 298 tokens (prompt + solution + EOS)
   c.batch_size = 8  # 8 rows of about 185 tokens: the default's 32 x 49 tokens per step
   c.block_size, c.decode_block_size, c.max_new_tokens = 16, 32, 256  # the authors' training / decoding blocks
-  c.mode_sweep = [(None, 8), (None, 4), (16, None), (16, 4)]  # sub-blocks of 8 / 4; the training block
+  # (decode block or None, query limit or None[, cache_decided]): sub-blocks of 8 / 4; the training block; the
+  # approximate cache of decided positions alone and with sub-blocks.
+  c.mode_sweep = [(None, 8), (None, 4), (16, None), (16, 4), (None, None, True), (None, 8, True), (None, 4, True)]
+  c.ar.steps, c.student.steps = 2400, 800
+  c.teacher.update(dict(steps=3000, semi_ar=0.5))

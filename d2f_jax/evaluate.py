@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     raise UsageError(f"cannot read the {args.task} data: {e}") from e
   out = args.out or default_out_dir(args.task, args.method)
 
-  from d2f_jax.decode.config import check_method_fits, model_attention
+  from d2f_jax.decode.methods import check_method_fits, model_attention
   from d2f_jax.evals.runner import run_benchmark
 
   from d2f_jax.api import load_from_flags

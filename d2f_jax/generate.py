@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     raise UsageError("streaming reads the state on one process; pass --no_stream with several processes")
   from d2f_jax.api import load_from_flags
   model = load_from_flags(args, mesh)
-  from d2f_jax.decode.config import check_method_fits, model_attention
+  from d2f_jax.decode.methods import check_method_fits, model_attention
   try:
     check_method_fits(model.config, config, model_attention(model))
   except ValueError as e:

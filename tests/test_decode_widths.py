@@ -7,7 +7,7 @@ import pytest
 
 import decode_reference as ref
 from d2f_jax.decode import DecodeConfig, generate, resolve, trace_count
-from d2f_jax.decode.config import check_method_fits
+from d2f_jax.decode.methods import check_method_fits
 from d2f_jax.decode.widths import window_widths_for
 from test_decode import PROMPTS, assert_rows_match, d2f_reference, sharp_model
 

@@ -106,15 +106,15 @@ def is_exact_d2f(row: dict) -> bool:
   the run's own decode block (a results row records its DecodeConfig under 'decode')."""
   d = row.get("decode") or {}
   return (row["method"] == "d2f" and d.get("query_limit") is None and d.get("position_budget") is None
-          and d.get("max_blocks_in_flight") is None
+          and d.get("max_blocks_in_flight") is None and not d.get("cache_decided")
           and (d.get("tau_add"), d.get("tau_act"), d.get("tau_conf")) == PAPER)
 
 
 def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tokens: int, block_size: int,
                   **where) -> list[dict]:
   """Per batch, the fastest D2F row (compiled tokens/s) whose accuracy is within one standard error of the
-  exact D2F row's, with AR's tokens/s beside: the mode a server should run at that load (its block_size and
-  query_limit as the serving engine's --frontier reads them). `where` (target, model, cache_len) is copied
+  exact D2F row's, with AR's tokens/s beside: the mode a server should run at that load (its block_size,
+  query_limit and cache_decided as the serving engine's --frontier reads them). `where` (target, model, cache_len) is copied
   into every row. [] without an exact D2F row or an AR row."""
   exact = next((r for r in results if is_exact_d2f(r) and r.get("tokens_per_forward")), None)
   ar = next((r for r in results if r["method"] == "ar" and r.get("tokens_per_forward")), None)
@@ -131,6 +131,7 @@ def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tok
     decode = fastest.get("decode") or {}
     out.append({**where, "batch": b, "mode": "exact" if fastest is exact else fastest["settings"],
                 "block_size": decode.get("block_size"), "query_limit": decode.get("query_limit"),
+                "cache_decided": bool(decode.get("cache_decided")),
                 "accuracy": fastest["accuracy"], "exact_accuracy": exact["accuracy"], "stderr": exact["stderr"],
                 "tok_s_compiled": speed[id(fastest)]["compiled"], "tok_s_formula": speed[id(fastest)]["formula"],
                 "ar_tok_s_compiled": base["compiled"], "ar_tok_s_formula": base["formula"]})

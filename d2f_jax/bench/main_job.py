@@ -41,14 +41,15 @@ def load_student(workdir: str, config: str = DEFAULT_CONFIG):
 
 
 def warm_engine(model, config, *, slots: int, max_prompt_len: int, steps_per_call: int, max_insert: int,
-                method: str = "d2f", query_limit: int | None = None):
+                method: str = "d2f", query_limit: int | None = None, cache_decided: bool = False):
   """A serving engine for `config`'s decode (block, answer bound, prompt bucket) over `slots` slots, warmed up
   (every program compiled)."""
   from d2f_jax.serve import Engine, EngineConfig
   engine = Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size,
                                       max_new_tokens=config.max_new_tokens, max_prompt_len=max_prompt_len,
                                       prompt_bucket=config.prompt_buckets, steps_per_call=steps_per_call,
-                                      max_insert=max_insert, query_limit=query_limit))
+                                      max_insert=max_insert, query_limit=query_limit,
+                                      cache_decided=cache_decided))
   engine.warm_up()
   return engine
 

@@ -10,7 +10,7 @@ from d2f_jax.models import LoraConfig, ModelConfig
 
 CARD_FILE = "README.md"
 # config.json key naming how a model was trained to attend: 'causal', 'bidirectional' or 'block_causal'
-# (an extra key transformers ignores; decode.config.check_method_fits refuses a method that does not fit it).
+# (an extra key transformers ignores; decode.methods.check_method_fits refuses a method that does not fit it).
 _READS = {"llada": "GSAI-ML/LLaDA-8B-Instruct (model_type 'llada')",
           "dream": "Dream-org/Dream-v0-Base-7B (model_type 'Dream')"}
 _ATTENDS = {"bidirectional": "bidirectionally (a masked-diffusion model: every position sees every other)",

@@ -7,25 +7,20 @@ traced `Knobs`, so sweeping them (or changing prompts within a length bucket) re
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Literal
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from d2f_jax.convert.hf_config import ATTENTION_KEY  # config.json: how a model was trained to attend
+from d2f_jax.decode.methods import METHODS, Method, check_method_fits
 from d2f_jax.decode.widths import query_widths_for, window_widths_for
 from d2f_jax.models import ModelConfig
 
-Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
-METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "ar")
 DreamAlg = Literal["confidence", "entropy", "margin"]
 DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
 MAX_STOP_TOKENS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
-DIFFUSION_METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +55,11 @@ class DecodeConfig:
     live rows would feed more positions in all than this narrows every row's q (halving from the block
     size) until they fit or q is 1; runs the query-limited step (q = the block size without query_limit,
     the exact tokens while the budget holds). A row's tokens then depend on what shares its batch.
+  cache_decided: a throughput mode of d2f / threshold, False (the default) = off. A position decided in a
+    block in flight is fed once more, with its token, and its K/V is kept in the cache from then on instead
+    of being fed every step; the kept K/V is approximate (the rest of its block changed since) until the
+    block completes and is fed whole, which writes the exact K/V (Fast-dLLM's approximate cache inside
+    D2F's pipeline). Runs the query-limited step (q = query_limit, or the block size).
   """
 
   method: Method = "d2f"
@@ -80,6 +80,7 @@ class DecodeConfig:
   memory_budget_gib: float | None = None  # KV cache + weights must fit; None: the decoding devices' memory
   query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
   position_budget: int | None = None  # d2f: positions a step may feed over the batch; None: no bound
+  cache_decided: bool = False  # d2f: decided positions of blocks in flight are cached (approximate), not fed
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -133,6 +134,9 @@ class DecodeConfig:
         raise ValueError(f"DecodeConfig.{name} must be a positive int or None, got {value!r}")
       if value is not None and self.method not in ("d2f", "threshold"):
         raise ValueError(f"DecodeConfig.{name} is a mode of method 'd2f' / 'threshold', not {self.method!r}")
+    if not isinstance(self.cache_decided, bool) or (self.cache_decided and self.method not in ("d2f", "threshold")):
+      raise ValueError(f"DecodeConfig.cache_decided must be a bool, True only for method 'd2f' / 'threshold', "
+                       f"got {self.cache_decided!r} with method {self.method!r}")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
       raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
@@ -174,6 +178,7 @@ class DecodeSpec:
   query_mode: bool = False  # query_limit or position_budget set: the query-limited forward (q is a knob)
   position_budget: int | None = None  # see DecodeConfig
   query_widths: tuple[int, ...] = ()  # query mode: sorted compiled forward widths in positions
+  cache_decided: bool = False  # query mode: decided positions in flight are cached, not fed (DecodeConfig)
 
   @property
   def num_blocks(self) -> int:
@@ -208,6 +213,7 @@ class Knobs:
   block_limit: jax.Array  # int32: response blocks a row may append (its max_new_tokens / block_size)
   in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
   query_limit: jax.Array  # int32: masks a block in flight feeds per step (query mode); the block size otherwise
+  cache_decided: jax.Array  # bool: the row keeps its decided positions' K/V (a spec.cache_decided program)
 
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
@@ -245,56 +251,19 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   cap = num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
   window_blocks = min(cap + 1, num_blocks)
   widths = window_widths_for(run.window_widths, window_blocks)
-  query_mode = run.query_limit is not None or run.position_budget is not None
+  query_mode = run.query_limit is not None or run.position_budget is not None or run.cache_decided
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
                     block_size=run.block_size, max_new_tokens=run.max_new_tokens, max_blocks_in_flight=cap,
                     window_widths=widths, sample=run.temperature > 0.0, steps=steps, alg=run.alg,
                     query_mode=query_mode, position_budget=run.position_budget,
-                    query_widths=query_widths_for(run.block_size, widths) if query_mode else ())
+                    query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
+                    cache_decided=run.cache_decided)
   stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
                 tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),
                 top_p=jnp.float32(run.top_p), top_k=jnp.int32(run.top_k), stop_ids=jnp.asarray(stop_array, jnp.int32),
                 block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap),
-                query_limit=jnp.int32(run.block_size if run.query_limit is None else run.query_limit))
+                query_limit=jnp.int32(run.block_size if run.query_limit is None else run.query_limit),
+                cache_decided=jnp.bool_(run.cache_decided))
   return spec, knobs
-
-
-def model_attention(model) -> str | None:
-  """How a loaded model attends: its ModelConfig.attention_kind (every loader sets it), else its directory's
-  config.json: the ATTENTION_KEY written by the trainer glue, else 'bidirectional' for the LLaDA / Dream
-  families (the released models are); None when unknown (a model built in memory)."""
-  if getattr(model.config, "attention_kind", None) is not None:
-    return model.config.attention_kind
-  source = getattr(model, "source", "") or ""
-  path = os.path.join(source, "config.json")
-  if not source or not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    hf = json.load(f)
-  if hf.get(ATTENTION_KEY) is not None:
-    return str(hf[ATTENTION_KEY])
-  return "bidirectional" if str(hf.get("model_type", "")).lower() in ("llada", "dream") else None
-
-
-def check_method_fits(model: ModelConfig, config: DecodeConfig, attention: str | None = None) -> None:
-  """Refuse a decoding method that cannot work with the model, instead of decoding garbage.
-
-  The diffusion methods need a model trained to fill in mask tokens (bidirectional or block-causal) with a
-  mask id in its vocabulary; 'ar' needs a causal model. attention: 'causal', 'bidirectional',
-  'block_causal' or None (unknown: only the mask id is checked), e.g. from `model_attention`.
-  """
-  if config.method in DIFFUSION_METHODS:
-    if not 0 <= model.mask_token_id < model.vocab_size:
-      raise ValueError(f"DecodeConfig.method={config.method!r} needs a mask token, but the model's mask_token_id "
-                       f"{model.mask_token_id} is outside its vocabulary of {model.vocab_size}")
-    if attention == "causal":
-      raise ValueError(f"DecodeConfig.method={config.method!r} needs a masked-diffusion (bidirectional) model, "
-                       f"but this model was trained causally (ModelConfig.attention_kind='causal', from config.json "
-                       f"{ATTENTION_KEY} or d2f_model.json); decode it with method='ar'")
-  elif config.method == "ar" and attention is not None and attention != "causal":
-    raise ValueError(f"DecodeConfig.method='ar' needs a causal model, but this model attends "
-                     f"{attention.replace('_', '-')} (ModelConfig.attention_kind={attention!r}: config.json "
-                     f"{ATTENTION_KEY}, d2f_model.json, or a LLaDA / Dream model); "
-                     "use a diffusion method (d2f, threshold, vanilla, dream_vanilla)")

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from d2f_jax import compilation_cache
-from d2f_jax.decode.config import DREAM_ALGS, METHODS, DecodeConfig
+from d2f_jax.decode.config import DREAM_ALGS, DecodeConfig
+from d2f_jax.decode.methods import METHODS
 from d2f_jax.models.config import LAYER_LOOPS
 from d2f_jax.usage import UsageError
 
@@ -69,7 +70,8 @@ def add_decode_flags(parser) -> None:
 
 
 def add_mode_flags(parser) -> None:
-  """Add the d2f throughput modes, --query_limit and --position_budget (generate, evaluate and serve)."""
+  """Add the d2f throughput modes, --query_limit, --position_budget and --cache_decided (generate, evaluate and
+  serve)."""
   parser.add_argument("--query_limit", type=int, default=_DEFAULTS.query_limit,
                       help="d2f throughput mode: a block in flight feeds only its first N masks a step (fewer "
                            "positions, other tokens; default: off, the authors' loop)")
@@ -77,6 +79,9 @@ def add_mode_flags(parser) -> None:
                       help="d2f throughput mode under load: positions a step may feed over the live rows (a "
                            "server's slots); beyond it every row's window narrows (tokens then depend on what "
                            "shares the batch; default: off)")
+  parser.add_argument("--cache_decided", action="store_true", default=_DEFAULTS.cache_decided,
+                      help="d2f throughput mode: decided positions of blocks in flight keep their (approximate) "
+                           "K/V in the cache instead of being fed every step; exact again when a block completes")
 
 
 def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
@@ -94,7 +99,7 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         steps=args.steps, alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit,
-                        position_budget=args.position_budget)
+                        position_budget=args.position_budget, cache_decided=args.cache_decided)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e
 

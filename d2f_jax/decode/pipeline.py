@@ -178,23 +178,16 @@ def step(model, state: D2FState, knobs: Knobs, spec: DecodeSpec) -> D2FState:
 
   if not spec.query_mode:
     index = width_index(state, spec)
-    branches = [forward(b) for b in spec.window_widths]
     used = jnp.asarray(spec.window_widths, jnp.int32)[index]
     positions_used = used * spec.block_size
+    branches = [forward(b) for b in spec.window_widths]
+    k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1
+                                          else jax.lax.switch(index, branches, None))
+    cache = state.cache.write(k, v, ids, written)
   else:  # a throughput mode: only the fed columns, gathered to the front (query_window.py)
-    q = qw.within_budget(tokens, state.cached, state.added, ~state.done, knobs.query_limit, spec)
-    fed, candidate = qw.fed_columns(tokens, state.cached, state.added, q, spec)
-    order, count = qw.compaction(fed, ~state.done)
-    packed = qw.pack(tokens, positions, ids, candidate, order, count)
-    index = narrowest(spec.query_widths, jnp.max(count))
-    branches = [lambda _, w=w: qw.forward(model, state, packed, order, w, written, sub, knobs, spec)
-                for w in spec.query_widths]
-    ids = packed.ids  # the cache write takes the finished blocks, first in fed order
-    positions_used = jnp.asarray(spec.query_widths, jnp.int32)[index]
+    last_row, choice, confidence, cache, positions_used = qw.step_forward(model, state, tokens, positions, ids,
+                                                                          written, sub, knobs, spec)
     used = -(-positions_used // spec.block_size)
-  k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1
-                                        else jax.lax.switch(index, branches, None))
-  cache = state.cache.write(k, v, ids, written)
   prev = jnp.where((written > 0)[:, None], last_row, state.prev_logits)
   return _advance(state.replace(cache=cache, prev_logits=prev, key=key), tokens, cols, choice, confidence, used,
                   positions_used, knobs, spec)

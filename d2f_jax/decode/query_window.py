@@ -23,14 +23,19 @@ import jax.numpy as jnp
 
 from d2f_jax.decode.config import DecodeSpec, per_row
 from d2f_jax.decode.sampling import choose_tokens
+from d2f_jax.decode.widths import narrowest
 from d2f_jax.models import PAD_ID
 
+DROPPED = jnp.iinfo(jnp.int32).max  # a cache slot past any cache: not written (KVCache.put / hide)
 
-def fed_columns(tokens: jax.Array, cached: jax.Array, added: jax.Array, query_limit: jax.Array, spec: DecodeSpec):
+
+def fed_columns(tokens: jax.Array, cached: jax.Array, added: jax.Array, query_limit: jax.Array, spec: DecodeSpec,
+                kept: jax.Array | None = None, pending: jax.Array | None = None):
   """(fed, candidate) [B, W] bool over the widest window's columns: what the forward computes, and the
   masked positions it may accept (each block's first q masks). tokens: [B, W] the window's ids; cached /
   added: [B] blocks in the cache / appended (the window starts at the first uncached block); query_limit:
-  q, a scalar or one per row [B] (Knobs.query_limit)."""
+  q, a scalar or one per row [B] (Knobs.query_limit). cache_decided: `kept` [B, W] the columns whose K/V
+  the cache keeps (`kept_columns`) are not fed, except in the `pending` [B] finished blocks written now."""
   batch = tokens.shape[0]
   nk, bs = spec.window_blocks, spec.block_size
   slot = jnp.arange(nk, dtype=jnp.int32)[None, :]  # [1, nk]
@@ -38,13 +43,38 @@ def fed_columns(tokens: jax.Array, cached: jax.Array, added: jax.Array, query_li
   masked = (tokens == spec.model.mask_token_id).reshape(batch, nk, bs) & exists  # [B, nk, bs]
   rank = jnp.cumsum(masked, axis=-1) - 1  # [B, nk, bs] order of each mask in its block
   candidate = (masked & (rank < per_row(query_limit, 3))).reshape(batch, -1)  # [B, W]
-  fed = (exists & ~masked).reshape(batch, -1) | candidate  # decided positions (finished blocks: all)
+  decided = exists & ~masked  # [B, nk, bs] decided positions (finished blocks: all)
+  if kept is not None:
+    whole = (slot < pending[:, None])[..., None]  # [B, nk, 1] written now: fed whole, exactly
+    decided = decided & (whole | ~kept.reshape(batch, nk, bs))
+  fed = decided.reshape(batch, -1) | candidate
   if spec.model.logit_shift:  # the output at p - 1 predicts p (column 0's is the cache's last row)
     fed = fed | jnp.pad(candidate[:, 1:], ((0, 0), (0, 1)))
   return fed, candidate
 
 
-def within_budget(tokens, cached, added, live, query_limit, spec: DecodeSpec) -> jax.Array:
+def window_slots(cache_length: jax.Array, spec: DecodeSpec) -> jax.Array:
+  """[B, W] the cache slot of each window column: the window starts at the first block not appended to the
+  cache, so its column i is written at slot length + i (whatever the row's padding: the engine lays a row's
+  token buffer out wider than its cache)."""
+  return cache_length[:, None] + jnp.arange(spec.window, dtype=jnp.int32)[None, :]
+
+
+def kept_columns(cache_ids: jax.Array, slots: jax.Array) -> jax.Array:
+  """[B, W] bool: window columns whose cache slot (`window_slots`) holds K/V (cache_ids [B, S]), i.e. K/V kept
+  for decided positions in flight (KVCache.put): the window lies past the appended prefix."""
+  size = cache_ids.shape[1]
+  return (slots < size) & (jnp.take_along_axis(cache_ids, jnp.minimum(slots, size - 1), axis=1) != PAD_ID)
+
+
+def kept_slots(packed: "Packed", slots: jax.Array, order: jax.Array, spec: DecodeSpec) -> jax.Array:
+  """[B, W] cache slot of each packed column whose K/V the cache keeps after the forward: the decided ones
+  fed; DROPPED elsewhere. slots: [B, W] the window's (`window_slots`)."""
+  keep = (packed.ids != PAD_ID) & (packed.tokens != spec.model.mask_token_id)
+  return jnp.where(keep, gather(slots, order), DROPPED)
+
+
+def within_budget(tokens, cached, added, live, query_limit, spec: DecodeSpec, kept=None, pending=None) -> jax.Array:
   """Each row's q for this step under `spec.position_budget`: its own (`query_limit`, scalar or [B]), or the
   largest of block size, half of it, ... 1 at which the live rows' fed positions sum to the budget or less
   (1 when none does). The same rule for every row, so a batch narrows together."""
@@ -53,7 +83,7 @@ def within_budget(tokens, cached, added, live, query_limit, spec: DecodeSpec) ->
   bs = spec.block_size
   chosen = jnp.int32(1)
   for rung in reversed([bs >> k for k in range(bs.bit_length() - 1)]):  # ascending above 1: the last fit wins
-    fed, _ = fed_columns(tokens, cached, added, jnp.minimum(query_limit, rung), spec)
+    fed, _ = fed_columns(tokens, cached, added, jnp.minimum(query_limit, rung), spec, kept, pending)
     total = jnp.sum(jnp.where(live, fed.sum(axis=1), 0))
     chosen = jnp.where(total <= spec.position_budget, jnp.int32(rung), chosen)
   return jnp.minimum(query_limit, chosen)
@@ -112,3 +142,28 @@ def forward(model, state, packed: Packed, order, width: int, written, key, knobs
   confidence = jnp.full((batch, full), -jnp.inf, confidence.dtype).at[rows, w_order].set(confidence)
   pad = ((0, 0), (0, 0), (0, full - width), (0, 0), (0, 0))  # [L, B, w, K, D] -> [L, B, W, K, D]
   return jnp.pad(k, pad), jnp.pad(v, pad), last_row, choice, confidence
+
+
+def step_forward(model, state, tokens, positions, ids, written, key, knobs, spec: DecodeSpec):
+  """The forward of a query-limited step and its cache writes: (raw output of the last column written [B, V],
+  choices and confidences [B, W] at the window's columns, the cache after, positions computed). tokens,
+  positions, ids: [B, W] the widest window's (pipeline._window_inputs); written: [B] its finished
+  blocks' columns, whose K/V is written exactly."""
+  on = per_row(knobs.cache_decided, 2)  # [B, 1] or a scalar: the rows that keep decided K/V
+  slots = window_slots(state.cache.length, spec)  # [B, W] before this step's write
+  kept = kept_columns(state.cache.ids, slots) & on if spec.cache_decided else None
+  q = within_budget(tokens, state.cached, state.added, ~state.done, knobs.query_limit, spec, kept, state.pending)
+  fed, candidate = fed_columns(tokens, state.cached, state.added, q, spec, kept, state.pending)
+  order, count = compaction(fed, ~state.done)
+  packed = pack(tokens, positions, ids, candidate, order, count)
+  index = narrowest(spec.query_widths, jnp.max(count))
+  # cache_decided: the forward sees the kept K/V of what it does not feed, never a stale copy of what it does
+  view = state.replace(cache=state.cache.hide(jnp.where(fed, slots, DROPPED))) if spec.cache_decided else state
+  branches = [lambda _, w=w: forward(model, view, packed, order, w, written, key, knobs, spec)
+              for w in spec.query_widths]
+  k, v, last_row, choice, confidence = (branches[0](None) if len(branches) == 1
+                                        else jax.lax.switch(index, branches, None))
+  cache = state.cache.write(k, v, packed.ids, written)  # the finished blocks, first in fed order
+  if spec.cache_decided:  # keep the K/V of the decided positions just fed (approximate until written)
+    cache = cache.put(k, v, packed.ids, jnp.where(on, kept_slots(packed, slots, order, spec), DROPPED))
+  return last_row, choice, confidence, cache, jnp.asarray(spec.query_widths, jnp.int32)[index]

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from d2f_jax.decode import DecodeConfig, generate, trace_count
-from d2f_jax.decode.config import check_method_fits, model_attention
+from d2f_jax.decode.methods import check_method_fits, model_attention
 from d2f_jax.reporting import write_json, write_jsonl
 from d2f_jax.evals.engine_pass import engine_fits, run_engine
 from d2f_jax.evals.gsm8k import Gsm8kTask

@@ -61,6 +61,28 @@ class KVCache:
     length = jnp.minimum(self.length + count, self.max_len)
     return self.replace(k=k, v=v, ids=ids, length=length)
 
+  def put(self, k_new: jax.Array, v_new: jax.Array, ids_new: jax.Array, slots: jax.Array) -> "KVCache":
+    """Write window token t of each row at slot `slots[b, t]` (>= max_len: not written), `length` unchanged:
+    K/V kept past the appended prefix (the decoder's approximate cache of decided positions in flight),
+    later overwritten by `write` when their block is appended exactly.
+
+    k_new, v_new: [L, B, T, K, D]; ids_new, slots: [B, T].
+    """
+    rows = jnp.arange(slots.shape[0])[:, None]
+    slots = jnp.where(slots < self.max_len, slots, self.max_len)
+    return self.replace(k=self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
+                        v=self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype), mode="drop"),
+                        ids=self.ids.at[rows, slots].set(ids_new, mode="drop"))
+
+  def hide(self, slots: jax.Array) -> "KVCache":
+    """This cache as a forward that re-feeds `slots` [B, T] (>= max_len: none) must see it: those slots
+    invisible (PAD_ID), and `length` extended over every visible slot, so the attention kernels, which read
+    slots below `length` only, reach K/V kept past the appended prefix (`put`)."""
+    rows = jnp.arange(slots.shape[0])[:, None]
+    ids = self.ids.at[rows, jnp.where(slots < self.max_len, slots, self.max_len)].set(PAD_ID, mode="drop")
+    visible = jnp.arange(1, self.max_len + 1, dtype=jnp.int32)[None, :]
+    return self.replace(ids=ids, length=jnp.max(jnp.where(ids != PAD_ID, visible, 0), axis=1).astype(jnp.int32))
+
 
 def cache_specs(layout: MeshLayout, batch: int, num_kv_heads: int) -> KVCache:
   """The cache's partition specs under `layout` (a KVCache of PartitionSpecs): rows over its batch axes, kv

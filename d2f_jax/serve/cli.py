@@ -82,7 +82,7 @@ def _engine_config(args):
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
                         sampling=args.sampling, query_limit=args.query_limit,
-                        position_budget=args.position_budget,
+                        position_budget=args.position_budget, cache_decided=args.cache_decided,
                         policy=args.policy or ("auto" if modes else None), auto_modes=modes)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
@@ -116,7 +116,7 @@ def _auto_modes(args) -> tuple[tuple[int, int | None], ...]:
     if not rows:
       raise UsageError(f"--frontier {args.frontier} has no rows of {key} {wanted!r} (it has {found})")
   try:
-    return auto_modes_from_frontier(rows, args.block_size)
+    return auto_modes_from_frontier(rows, args.block_size, args.cache_decided)
   except ValueError as e:
     raise UsageError(f"--frontier {args.frontier}: {e}") from None
 

@@ -40,6 +40,9 @@ class EngineConfig:
   policy: str | None = None
   # auto: ((live slots from, q or None for exact), ...) ascending; () = ((AUTO_FROM_SLOTS, query_limit),).
   auto_modes: tuple[tuple[int, int | None], ...] = ()
+  # Requests admitted in a query-limited mode also keep their decided positions' K/V (DecodeConfig.cache_decided,
+  # a per-row knob); exact-D2F requests stay exact.
+  cache_decided: bool = False
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -58,6 +61,9 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
                          f"(method {self.method!r})")
     self._check_policy()
+    if not isinstance(self.cache_decided, bool) or (self.cache_decided and self._compiled_query_limit() is None):
+      raise ValueError(f"EngineConfig.cache_decided must be a bool, True only when some request runs a query-limited "
+                       f"mode (query_limit or auto_modes with a limit), got {self.cache_decided!r}")
 
   def _check_policy(self) -> None:
     if self.policy is not None and self.policy not in POLICIES:
@@ -117,7 +123,7 @@ class EngineConfig:
     return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                         max_blocks_in_flight=self.max_blocks_in_flight, temperature=1.0 if self.sampling else 0.0,
                         memory_budget_gib=self.memory_budget_gib, query_limit=self._compiled_query_limit(),
-                        position_budget=self.position_budget)
+                        position_budget=self.position_budget, cache_decided=self.cache_decided)
 
   def _compiled_query_limit(self) -> int | None:
     """A query limit whenever some request may run one (the query-limited step is then compiled; each slot's
@@ -149,10 +155,12 @@ class EngineConfig:
     return next(width for width in self.prompt_buckets if width >= prompt_len)
 
 
-def auto_modes_from_frontier(rows: list[dict], block_size: int) -> tuple[tuple[int, int | None], ...]:
+def auto_modes_from_frontier(rows: list[dict], block_size: int, cache_decided: bool = False
+                             ) -> tuple[tuple[int, int | None], ...]:
   """The 'auto' policy's table from `bench cost --frontier` rows of one target and model: from each batch on,
-  that batch's mode (its query_limit; None: exact D2F). A mode at another block size than the engine's cannot
-  be switched to without recompiling: ValueError naming it."""
+  that batch's mode (its query_limit; None: exact D2F). A mode at another block size than the engine's, or
+  whose cache_decided differs from the engine's (which its query-limited requests all share), cannot be
+  switched to without recompiling: ValueError naming it."""
   if not rows:
     raise ValueError("the frontier has no rows for this target and model")
   modes: list[tuple[int, int | None]] = []
@@ -161,7 +169,12 @@ def auto_modes_from_frontier(rows: list[dict], block_size: int) -> tuple[tuple[i
       raise ValueError(f"the frontier's mode at batch {row['batch']} ({row.get('mode')}) decodes at block size "
                        f"{row['block_size']}, this engine at {block_size}: serve with --block_size "
                        f"{row['block_size']} or choose the modes with --auto_modes")
-    query_limit = row.get("query_limit")
+    query_limit, cached = row.get("query_limit"), bool(row.get("cache_decided"))
+    if cached != cache_decided and (cached or query_limit is not None):
+      raise ValueError(f"the frontier's mode at batch {row['batch']} ({row.get('mode')}) "
+                       f"{'keeps' if cached else 'does not keep'} decided K/V: serve "
+                       f"{'with' if cached else 'without'} --cache_decided, or choose the modes with --auto_modes")
+    query_limit = block_size if cached and query_limit is None else query_limit
     if not modes or modes[-1][1] != query_limit:
       modes.append((int(row["batch"]), query_limit))
   if modes[0][0] != 1:  # below the table's first batch: exact D2F, the fastest at small batch

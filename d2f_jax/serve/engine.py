@@ -28,7 +28,8 @@ import numpy as np
 
 from d2f_jax import xla_maps
 from d2f_jax.decode import limits
-from d2f_jax.decode.config import check_method_fits, model_attention, resolve
+from d2f_jax.decode.config import resolve
+from d2f_jax.decode.methods import check_method_fits, model_attention
 from d2f_jax.serve import programs
 from d2f_jax.serve.background import BackgroundLoop
 from d2f_jax.serve.config import EngineConfig, split_admissions
@@ -200,7 +201,9 @@ class Engine(BackgroundLoop):
       return
     request.query_limit = self.config.query_limit_at(live_slots)
     limit = self.config.block_size if request.query_limit is None else request.query_limit
-    request.knobs = request.knobs.replace(query_limit=np.asarray(limit, np.int32))
+    request.knobs = request.knobs.replace(
+        query_limit=np.asarray(limit, np.int32),
+        cache_decided=np.asarray(self.config.cache_decided and request.query_limit is not None))
 
   def _insert(self, slots: list[int], prompts: np.ndarray, prompt_lens: np.ndarray, knobs: list,
               seeds: list[int]) -> None:
