@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, run for real: `python -m d2f_jax.serve` on a free localhost port over a tiny
 synthetic Dream checkpoint, driven by the official `openai` client. Greedy answers equal `Model.generate`'s
 (batch 1 per row), streamed or not, alone or with concurrent clients; bad bodies get 400s naming the field;
-a disconnected client's request is cancelled; SIGTERM drains and exits 0.
+a disconnected client's request is cancelled; a 10 MB body is refused while /health answers; SIGTERM drains,
+a second signal aborts the rest, and the process exits 0.
 
 One server serves the whole file (its warm-up compiles dominate); the SIGTERM test stops it and runs last.
 No test depends on timing beyond generous bounded waits.
@@ -29,7 +30,7 @@ from d2f_jax.convert import synthetic
 from d2f_jax.models import TINY_DREAM
 from d2f_jax.serve import EngineStopped, Event, QueueFull
 from d2f_jax.serve.protocol import Plan
-from d2f_jax.serve.server import _Inbox, answer
+from d2f_jax.serve.answers import Inbox, answer
 
 SETTINGS = dict(block_size=4, max_new_tokens=16)
 PROMPTS = ["w5 w7 w9", "w11 w13", "w100 w200 w300 w400 w17", "w42", "w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18",
@@ -307,7 +308,7 @@ def test_an_answer_closed_early_cancels_its_request_and_a_finished_one_does_not(
     return Event("r", ids, finished, reason, 3, 0, 0)
 
   async def run(events, take):
-    engine, inbox = _FakeEngine(), _Inbox()
+    engine, inbox = _FakeEngine(), Inbox()
     for e in events:
       inbox.queue.put_nowait(e)
     pieces = answer(engine, _Words(), "r", inbox, plan)
@@ -328,18 +329,55 @@ def test_an_answer_closed_early_cancels_its_request_and_a_finished_one_does_not(
   assert cancelled == []
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_zero(served):
-  """Last: it stops the shared server."""
+def test_a_10_mb_body_is_refused_at_once_and_health_answers_meanwhile(served):
+  server = served[0]
+  body = json.dumps({"model": "tiny", "prompt": "w5 " * ((10 << 20) // 3)}).encode()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    big = pool.submit(httpx.post, f"{server.url}/v1/completions", content=body, timeout=120,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert server.health()["status"] == "ok"
+    response = big.result(timeout=120)
+  assert response.status_code == 413 and response.json()["error"]["code"] == 413, response.text
+
+
+def _stream_text(server, prompt) -> tuple[str, str | None, bool]:
+  """(text, last finish_reason, ended with [DONE]) of one streamed completion read to its end."""
+  text, reason, done = "", None, False
+  with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, headers=AUTH,
+                    json={"model": "tiny", "prompt": prompt, "stream": True}) as response:
+    if response.status_code != 200:
+      return "", f"http {response.status_code}", True
+    for line in response.iter_lines():
+      if line == "data: [DONE]":
+        done = True
+      elif line.startswith("data: "):
+        choice = json.loads(line[6:])["choices"][0]
+        text, reason = text + choice["text"], choice["finish_reason"] or reason
+  return text, reason, done
+
+
+def test_sigterm_drains_a_second_signal_aborts_the_rest_and_the_process_exits_zero(served):
+  """Last: it stops the shared server. Requests admitted before the first signal finish or (after the second,
+  sent at once) end with finish_reason 'abort'; every stream closes with its last chunk and [DONE]."""
   server, texts, _ = served
-  with concurrent.futures.ThreadPoolExecutor(6) as pool:
-    futures = [pool.submit(server.client.completions.create, model="tiny", prompt=p) for p in PROMPTS[:6]]
+  prompts = (PROMPTS * 4)[:24]  # six times the slots: most are still queued when the signals come
+  with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    futures = [pool.submit(_stream_text, server, p) if i % 2 else
+               pool.submit(server.client.completions.create, model="tiny", prompt=p) for i, p in enumerate(prompts)]
+    time.sleep(0.5)  # let them be admitted (a bound, not a race: whatever state each is in, the checks hold)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=120) == 0, server.log.read_text()
-    for prompt, future in zip(PROMPTS, futures):
+    for i, (prompt, future) in enumerate(zip(prompts, futures)):
       try:
-        got = future.result(timeout=60).choices[0]
-      except (openai.APIConnectionError, openai.InternalServerError):
+        got = future.result(timeout=60)
+      except (openai.APIConnectionError, openai.InternalServerError, httpx.TransportError):
         continue  # sent after the listener closed (refused) or while draining (503): never admitted
-      assert got.finish_reason == "abort" or got.text == texts[prompt], (prompt, got)
+      text, reason, done = got if i % 2 else (got.choices[0].text, got.choices[0].finish_reason, True)
+      if reason == "http 503":
+        continue
+      assert done and (reason == "abort" and texts[prompt].startswith(text) or text == texts[prompt]), (prompt, got)
   log = server.log.read_text()
-  assert "draining" in log and "Traceback" not in log, log
+  assert "draining" in log and "again: ending every request" in log, log
+  assert "Traceback" not in log and "terminate called" not in log, log

@@ -5,7 +5,8 @@ request pays no compile and /health answers only once serving is fast. `--method
 baseline model (one token per step) through the same engine and API.
 SIGTERM (or Ctrl-C) drains: /health and new requests get 503 at once, queued and decoding requests finish
 within --grace_s (the rest are cancelled, finish_reason 'abort'), their responses go out, and the process
-exits 0. A second signal exits without waiting.
+exits 0. A second signal ends every request at once (finish_reason 'abort', streams closed with their last
+chunk and [DONE]) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import socket
 import threading
 
 from d2f_jax.decode.flags import add_device_flags, add_mode_flags, check_model_flags, setup_devices
-from d2f_jax.serve.config import AUTO_FROM_SLOTS, POLICIES, EngineConfig, auto_modes_from_frontier
+from d2f_jax.serve.config import (AUTO_FROM_SLOTS, DEFAULT_MAX_BODY_BYTES, POLICIES, EngineConfig,
+                                  auto_modes_from_frontier)
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
@@ -66,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--api_key", default=os.environ.get(API_KEY_ENV) or None,
                  help=f"require `Authorization: Bearer KEY` on every /v1 route (401 otherwise; /health stays open); "
                       f"default: ${API_KEY_ENV}, else none")
-  p.add_argument("--grace_s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
+  p.add_argument("--grace_s", type=float, default=30.0,
+                 help="on SIGTERM, how long in-flight requests may finish (a second signal ends them at once)")
+  p.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                 help="larger request bodies are refused (413) before they are read")
   p.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"),
                  help="log verbosity")
   add_device_flags(p)
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     raise UsageError(f"--api_key (or ${API_KEY_ENV}) must not be empty")
   if args.grace_s < 0:
     raise UsageError(f"--grace_s must be >= 0, got {args.grace_s}")
+  if args.max_body_bytes <= 0:
+    raise UsageError(f"--max_body_bytes must be positive, got {args.max_body_bytes}")
   try:
     import uvicorn
 
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
   log.info("warm-up (compiles) took %.1f s", engine.warm_up())
   engine.start()
   name = args.served_model_name or args.model
-  app = create_app(engine, model, name, api_key=args.api_key)
+  app = create_app(engine, model, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
   if args.api_key is not None:
     log.info("every /v1 route wants the API key (Authorization: Bearer ...)")
   uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -197,8 +204,9 @@ def _make_draining_server():
       self.app, self.engine, self.grace_s, self.draining = app, engine, grace_s, False
 
     def handle_exit(self, sig, frame) -> None:
-      if self.draining:  # a second signal: stop now
-        self.should_exit = self.force_exit = True
+      if self.draining:  # a second signal: every request ends now (finish_reason abort), responses close whole
+        log.info("signal %d again: ending every request now (finish_reason abort)", sig)
+        self.engine.abort()
         return
       self.draining = self.app.state.draining = True
       log.info("signal %d: draining (grace %.0f s)", sig, self.grace_s)

@@ -13,6 +13,7 @@ POLICIES = ("latency", "throughput", "auto")
 # bench cost --frontier's table after 1; pass --frontier to take the modes from a measured table).
 AUTO_FROM_SLOTS = 8
 
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # the server's request body limit (4 MiB of JSON: far past any prompt it takes)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

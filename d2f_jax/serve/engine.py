@@ -59,6 +59,7 @@ class Engine(BackgroundLoop):
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
+    self._stop_now = threading.Event()  # abort(): a shutdown stops waiting out its grace
     self._settings_seen: dict = {}
     self._admitting = True
     self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')

@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from d2f_jax.decode.config import MAX_STOP_TOKENS
 from d2f_jax.serve.types import RequestSettings
 
 _DEFAULTS = RequestSettings()
@@ -102,7 +103,7 @@ class Plan:
   stop_strings: tuple[str, ...]
 
 
-def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[int, ...]) -> Plan:
+def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[int, ...], vocab_size: int) -> Plan:
   """The engine's RequestSettings and the cut for a parsed body; BadRequest names what cannot be honoured."""
   if body.n != 1:
     raise BadRequest("n", f"only n=1 is supported (one answer per request), got {body.n}")
@@ -119,7 +120,15 @@ def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[in
   stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
   if any(not s for s in stops):
     raise BadRequest("stop", "stop strings must be non-empty")
-  extra_ids = tuple(t for t in body.stop_token_ids or () if t not in default_stops)
+  given = list(body.stop_token_ids or ())
+  outside = [t for t in given if not 0 <= t < vocab_size]
+  if outside:
+    raise BadRequest("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {outside}")
+  extra_ids = tuple(dict.fromkeys(t for t in given if t not in default_stops))
+  room = MAX_STOP_TOKENS - len(default_stops)
+  if len(extra_ids) > room:
+    raise BadRequest("stop_token_ids", f"at most {room} ids besides the model's own stop ids {list(default_stops)} "
+                                       f"(always on), got {len(extra_ids)}: {list(extra_ids)}")
   settings = RequestSettings(
       method=body.method, max_new_tokens=-(-max_tokens // block_size) * block_size, tau_add=body.tau_add,
       tau_act=body.tau_act, tau_conf=body.tau_conf, temperature=body.temperature, top_p=body.top_p,
@@ -135,6 +144,7 @@ ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids"
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
   """OpenAI's error object (vLLM's `type` names)."""
-  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
-          503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+  kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}.get(
+              status, "InternalServerError")
   return {"error": {"message": message, "type": kind, "param": param, "code": status}}

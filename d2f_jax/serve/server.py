@@ -12,7 +12,6 @@ model's name, 429 queue full, 503 shutting down.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import secrets
@@ -25,41 +24,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from d2f_jax.serve.protocol import (ENGINE_FIELDS, BadRequest, ChatMessage, ChatRequest, CompletionRequest, Plan,
+from d2f_jax.serve.answers import Piece, Inbox, answer
+from d2f_jax.serve.config import DEFAULT_MAX_BODY_BYTES
+from d2f_jax.serve.guards import BodyLimit, check_prompt_chars, longest_token_chars
+from d2f_jax.serve.protocol import (ENGINE_FIELDS, BadRequest, ChatMessage, ChatRequest, CompletionRequest,
                                     error_body, plan)
-from d2f_jax.serve.types import EngineStopped, Event, QueueFull, RequestError
+from d2f_jax.serve.types import EngineStopped, QueueFull, RequestError
 
 log = logging.getLogger("d2f_jax.serve")
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's union branches in an error's loc
 
 
-@dataclasses.dataclass
-class Piece:
-  """A stretch of answer text; the last one has the finish reason and the final token counts."""
-
-  text: str
-  finish_reason: str | None
-  prompt_tokens: int
-  completion_tokens: int
-
-
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-  return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-class _Inbox:
-  """A request's events, handed from the engine thread to the event loop."""
-
-  def __init__(self):
-    self.loop = asyncio.get_running_loop()
-    self.queue: asyncio.Queue[Event] = asyncio.Queue()
-
-  def __call__(self, event: Event) -> None:  # on the engine thread: must never raise there
-    try:
-      self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-    except RuntimeError:  # the loop has closed (the server is exiting): nobody is listening
-      pass
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+  return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def chat_prompt_ids(model, messages: list[ChatMessage]) -> list[int]:
@@ -75,47 +53,6 @@ def chat_prompt_ids(model, messages: list[ChatMessage]) -> list[int]:
     except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
       raise BadRequest("messages", f"the model's chat template refused these messages: {e}") from None
   return model.encode("".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:")
-
-
-def _cut(ids: list[int], p: Plan) -> tuple[list[int], str | None, int]:
-  """(answer ids, finish reason if the ids already decide it, completion tokens) of the ids settled so far."""
-  head = ids[:p.max_tokens]
-  for i, token in enumerate(head):
-    if token in p.stop_ids:
-      return head[:i], "stop", i + 1
-  return head, ("length" if len(ids) >= p.max_tokens else None), len(head)
-
-
-async def answer(engine, model, request_id: str, inbox: _Inbox, p: Plan) -> AsyncIterator[Piece]:
-  """The request's text as it settles. Closing it before the last piece (a disconnect, a stop string)
-  cancels the request in the engine."""
-  ids: list[int] = []
-  sent, engine_done = "", False
-  hold = max((len(s) for s in p.stop_strings), default=1) - 1  # text that may yet become a stop string
-  try:
-    while True:
-      event = await inbox.queue.get()
-      engine_done = event.finished
-      ids += event.ids
-      answer_ids, reason, count = _cut(ids, p)
-      text = model.decode(answer_ids) if answer_ids else ""
-      hits = [i for i in (text.find(s) for s in p.stop_strings) if i >= 0]
-      if hits:
-        text, reason = text[:min(hits)], "stop"
-      elif reason is None and engine_done:  # the engine's reason; 'cancelled' (shutdown) is vLLM's 'abort'
-        reason = "abort" if event.finish_reason in ("cancelled", "error") else event.finish_reason
-      if reason is None:  # keep back what may change: a partial character, a partial stop string
-        text = text.rstrip("\ufffd")
-        text = text[:len(text) - hold] if hold else text
-      delta = text[len(sent):] if text.startswith(sent) else ""
-      if delta or reason is not None:
-        sent += delta
-        yield Piece(delta, reason, event.prompt_tokens, count)
-      if reason is not None:
-        return
-  finally:
-    if not engine_done:
-      engine.cancel(request_id)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -151,10 +88,12 @@ def _sse(data: dict) -> str:
   return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(engine, model, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine, model, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
   """The app over a started engine. `app.state.draining = True` makes /health answer 503 (the CLI sets it on
   SIGTERM, as it shuts the engine down; the engine then refuses new requests: 503). With `api_key`, every /v1
-  route wants `Authorization: Bearer <api_key>` (401 otherwise, as vLLM's --api-key); /health stays open."""
+  route wants `Authorization: Bearer <api_key>` (401 otherwise, as vLLM's --api-key); /health stays open.
+  Bodies over `max_body_bytes` get 413 (serve/guards.py); prompts are tokenized off the event loop."""
   app = FastAPI(title="d2f_jax", docs_url=None, redoc_url=None, openapi_url=None)
   app.state.draining = False
   if api_key is not None:
@@ -167,7 +106,9 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
         return _error(401, "this server wants an API key: send the header `Authorization: Bearer <key>`"
                       if not given else "the API key is not this server's")
       return await call_next(request)
+  app.add_middleware(BodyLimit, limit=max_body_bytes)
   cfg = engine.config
+  token_chars = longest_token_chars(model.tokenizer) if model.tokenizer is not None else None
   stops = tuple(dict.fromkeys(t for t in (model.config.eos_token_id, model.config.eot_token_id) if t is not None))
 
   @app.exception_handler(RequestValidationError)
@@ -185,8 +126,8 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
     return _error(400, " or ".join(dict.fromkeys(said)) or str(errors[0]["msg"]), None if field is None else str(field))
 
   @app.exception_handler(HTTPException)
-  async def http_error(_, exc: HTTPException):
-    return _error(exc.status_code, str(exc.detail))
+  async def http_error(_, exc: HTTPException):  # 404, 405 (with its Allow header), 413 of a chunked body
+    return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
   @app.exception_handler(Exception)
   async def internal_error(request: Request, exc: Exception):
@@ -212,36 +153,47 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: Request):
-    if isinstance(body.prompt, str):
-      if model.tokenizer is None:
-        return _error(400, "prompt: this model has no tokenizer; send a list of token ids", "prompt")
+    if not body.prompt:
+      return _error(400, "prompt: must not be empty", "prompt")
+    if isinstance(body.prompt, str) and model.tokenizer is None:
+      return _error(400, "prompt: this model has no tokenizer; send a list of token ids", "prompt")
+
+    def encode() -> list[int]:
+      if not isinstance(body.prompt, str):
+        return body.prompt
       try:
-        ids = model.encode(body.prompt)
+        return model.encode(body.prompt)
       except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate: the tokenizer's TypeError
-        return _error(400, f"prompt: cannot be tokenized ({type(e).__name__}: {str(e)[:120]})", "prompt")
-    else:
-      ids = body.prompt
-    return await _respond(body, request, lambda: ids, "prompt", "cmpl")
+        raise BadRequest("prompt", f"cannot be tokenized ({type(e).__name__}: {str(e)[:120]})") from None
+    chars = len(body.prompt) if isinstance(body.prompt, str) else 0
+    return await _respond(body, request, encode, chars, "prompt", "cmpl")
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatRequest, request: Request):
-    return await _respond(body, request, lambda: chat_prompt_ids(model, body.messages), "messages", "chatcmpl")
+    chars = sum(len(m.text()) for m in body.messages)
+    return await _respond(body, request, lambda: chat_prompt_ids(model, body.messages), chars, "messages",
+                          "chatcmpl")
 
-  async def _respond(body, request: Request, prompt_ids, prompt_field: str, kind: str):
+  async def _respond(body, request: Request, prompt_ids, chars: int, prompt_field: str, kind: str):
     if body.model is not None and body.model != served_model_name:
       return _error(404, f"the model {body.model!r} does not exist; this server serves {served_model_name!r}",
                     "model")
+    too_long = check_prompt_chars(chars, cfg.max_prompt_len, token_chars)
+    if too_long:
+      return _error(400, f"{prompt_field}: {too_long}", prompt_field)
     try:
-      p = plan(body, block_size=cfg.block_size, bound=cfg.max_new_tokens, default_stops=stops)
-      inbox = _Inbox()
-      request_id = engine.submit(prompt_ids(), p.settings, inbox, request_id=f"{kind}-{uuid.uuid4().hex}")
+      p = plan(body, block_size=cfg.block_size, bound=cfg.max_new_tokens, default_stops=stops,
+               vocab_size=model.config.vocab_size)
+      ids = await asyncio.get_running_loop().run_in_executor(None, prompt_ids)  # the event loop stays free
+      inbox = Inbox()
+      request_id = engine.submit(ids, p.settings, inbox, request_id=f"{kind}-{uuid.uuid4().hex}")
     except BadRequest as e:
       return _error(400, f"{e.param}: {e.message}", e.param)
     except RequestError as e:
       field = prompt_field if e.field == "prompt" else ENGINE_FIELDS.get(e.field, e.field)
       return _error(400, f"{field}: {e.message}", field)
     except QueueFull as e:
-      return _error(429, f"the server is busy: {e}")
+      return _error(429, f"the server is busy: {e}", headers={"Retry-After": "1"})
     except EngineStopped as e:
       return _error(503, str(e))
     pieces = answer(engine, model, request_id, inbox, p)
