@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from d2f_jax import convert
-from d2f_jax.convert import safetensors_io, synthetic
+from d2f_jax.convert import safetensors as d2f_safetensors, synthetic
 from d2f_jax.convert.hf_config import ConfigError
-from d2f_jax.convert.safetensors_io import SafetensorsError
+from d2f_jax.convert.safetensors import SafetensorsError
 from d2f_jax.models import DREAM_7B, LLADA_8B, TINY_DREAM, TINY_LLADA, LoraConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -275,7 +275,7 @@ def _rewrite(src, dst, edit_tensors=None, edit_config=None):
   tensors = raw_tensors(src)
   if edit_tensors:
     edit_tensors(tensors)
-  safetensors_io.save_file(os.path.join(dst, "model.safetensors"), tensors, {"format": "pt"})
+  d2f_safetensors.save_file(os.path.join(dst, "model.safetensors"), tensors, {"format": "pt"})
   hf = json.load(open(os.path.join(src, "config.json")))
   if edit_config:
     edit_config(hf)
@@ -372,14 +372,14 @@ def test_our_writer_and_reader_agree_with_safetensors_package(tmp_path):
   from safetensors.torch import save_file
   tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": (np.arange(6) / 7).astype(BF16),
              "c": np.array([1, -2], np.int64), "d": np.zeros((0, 3), np.float16)}
-  safetensors_io.save_file(str(tmp_path / "ours.safetensors"), tensors, {"format": "pt"})
+  d2f_safetensors.save_file(str(tmp_path / "ours.safetensors"), tensors, {"format": "pt"})
   theirs = load_file(str(tmp_path / "ours.safetensors"))
   assert theirs["b"].dtype == torch.bfloat16 and theirs["c"].dtype == torch.int64
   assert_same_bits(theirs["b"].view(torch.int16).numpy().view(BF16), tensors["b"])
   assert_same_bits(theirs["a"].numpy(), tensors["a"])
   save_file({"w": torch.arange(20, dtype=torch.float32).reshape(5, 4).to(torch.bfloat16)},
             str(tmp_path / "theirs.safetensors"))
-  reader = safetensors_io.CheckpointReader(str(tmp_path / "theirs.safetensors"))
+  reader = d2f_safetensors.CheckpointReader(str(tmp_path / "theirs.safetensors"))
   full = reader.read("w")
   assert full.dtype == BF16 and full.shape == (5, 4)
   assert_same_bits(reader.read("w", rows=(1, 3)), full[1:3])

@@ -310,13 +310,13 @@ def test_bad_task_and_options_are_rejected(checkpoint):
 
 def test_cli_isolation_flag_reaches_the_sandbox(monkeypatch):
   from d2f_jax import evaluate
-  from d2f_jax.evals import sandbox_bwrap
+  from d2f_jax.evals.sandbox import bwrap
   from d2f_jax.evals.sandbox import ProcessIsolationWarning
   with pytest.warns(ProcessIsolationWarning):
     task = evaluate.make_task(evaluate.build_parser().parse_args(["--model", "m", "--task", "humaneval",
                                                                   "--isolation", "process"]))
   assert task.options()["sandbox"]["isolation"] == "process"
-  monkeypatch.setattr(sandbox_bwrap, "probe", lambda python: "user namespaces are not permitted")
+  monkeypatch.setattr(bwrap, "probe", lambda python: "user namespaces are not permitted")
   with pytest.raises(SystemExit, match="not permitted.*isolation"):
     evaluate.make_task(evaluate.build_parser().parse_args(["--model", "m", "--task", "humaneval"]))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from d2f_jax.evals import sandbox_bwrap
+from d2f_jax.evals.sandbox import bwrap
 from d2f_jax.evals.humaneval import build_program, build_test, load_problems
 from d2f_jax.evals.sandbox import (BubblewrapUnavailable, ProcessIsolationWarning, Sandbox, TestProgram,
                                    bubblewrap_unavailable_reason)
@@ -279,7 +279,7 @@ def test_gigabytes_of_output_are_capped(sandbox):
 # --- choosing the isolation ----------------------------------------------------------------------------
 
 def test_bubblewrap_unavailable_is_an_error_naming_the_fallback(monkeypatch):
-  monkeypatch.setattr(sandbox_bwrap, "probe", lambda python: "user namespaces are not permitted")
+  monkeypatch.setattr(bwrap, "probe", lambda python: "user namespaces are not permitted")
   with pytest.raises(BubblewrapUnavailable, match="not permitted.*isolation='process'"):
     Sandbox()
 
@@ -314,7 +314,7 @@ def test_bad_options_are_rejected():
 
 
 def test_wire_encoding_is_exact_and_data_only():
-  from d2f_jax.evals.sandbox_launcher import decode, encode
+  from d2f_jax.evals.sandbox.launcher import decode, encode
   values = [None, True, 0, -(10 ** 5000), 1.5, float("inf"), -0.0, 1 + 2j, "é\x00", b"\xff", [1, (2, 3)],
             {1: {"a": frozenset({4})}}, {5, 6}]
   for value in values:

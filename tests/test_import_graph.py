@@ -213,3 +213,51 @@ def test_the_private_import_and_definition_checks_can_fail(tmp_path, monkeypatch
   where = _definitions()
   assert sorted(where["DEFAULT_RULES"]) == ["d2f_jax/decode/mesh.py", "d2f_jax/sharding/rules.py"]
   assert "DEFAULT_RULES" in _failure_of(test_mesh_rules_and_mesh_building_are_defined_once)
+
+
+# Sibling modules sharing a `prefix_` act as a folder without being one: four or more of them (runner.py plus
+# runner_*.py counts the bare runner.py too) are a folder in waiting, to become a subpackage whose __init__.py is
+# the public face (d2f_jax/evals/sandbox/, d2f_jax/convert/safetensors/).
+FAMILY_SIZE = 4
+PENDING_FAMILIES = {"decode/runner", "bench/cost"}  # issue 33: being moved
+
+
+def _families() -> dict[str, list[str]]:
+  """'dir/prefix' (the package's path below d2f_jax, '/'-joined) -> its modules, for every family of
+  FAMILY_SIZE or more; a family inside a larger one (window_attention_* inside window_*) is named once, by the
+  shorter prefix."""
+  found = {}
+  for directory in sorted({path.parent for path in PACKAGE.rglob("*.py")}):
+    stems = sorted(path.stem for path in directory.glob("*.py") if path.stem != "__init__")
+    prefixes = sorted({"_".join(s.split("_")[:i]) for s in stems for i in range(1, s.count("_") + 1)}, key=len)
+    named: list[str] = []
+    for prefix in prefixes:
+      members = [s for s in stems if s == prefix or s.startswith(prefix + "_")]
+      if len(members) >= FAMILY_SIZE and not any(prefix.startswith(p + "_") for p in named):
+        named.append(prefix)
+        where = directory.relative_to(PACKAGE).as_posix()
+        found[prefix if where == "." else f"{where}/{prefix}"] = [f"{s}.py" for s in members]
+  return found
+
+
+def test_no_family_of_sibling_modules_is_a_folder_in_waiting():
+  waiting = {key: members for key, members in _families().items() if key not in PENDING_FAMILIES}
+  assert not waiting, (f"{FAMILY_SIZE} or more sibling modules sharing a prefix are a folder in waiting: make each a "
+                       "subpackage (d2f_jax/<dir>/<prefix>/ with an __init__.py as its public face):\n"
+                       + "\n".join(f"d2f_jax/{key}: {', '.join(members)}" for key, members in sorted(waiting.items())))
+
+
+def test_the_family_check_can_fail(tmp_path, monkeypatch):
+  fake = tmp_path / "d2f_jax"
+  (fake / "decode").mkdir(parents=True)
+  (fake / "evals").mkdir()
+  for name in ("__init__", "runner", "runner_a", "runner_b", "runner_c", "loop"):
+    (fake / "decode" / f"{name}.py").write_text("")
+  for name in ("box_a", "box_b", "box_c", "box_d_e", "boxes", "lm_eval_a", "lm_eval_b", "lm_eval_c"):
+    (fake / "evals" / f"{name}.py").write_text("")
+  monkeypatch.setitem(globals(), "PACKAGE", fake)
+  assert _families() == {"decode/runner": ["runner.py", "runner_a.py", "runner_b.py", "runner_c.py"],
+                         "evals/box": ["box_a.py", "box_b.py", "box_c.py", "box_d_e.py"]}
+  failure = _failure_of(test_no_family_of_sibling_modules_is_a_folder_in_waiting)
+  assert "folder in waiting" in failure and "d2f_jax/evals/box: box_a.py" in failure
+  assert "decode/runner" not in failure  # PENDING_FAMILIES

@@ -114,8 +114,8 @@ def test_two_tensors_on_the_same_bytes_are_refused(hf):
 
 def test_library_validation_is_wrapped_with_the_file_name(hf, monkeypatch):
   """Where our own checks pass, the safetensors library still has the last word, and its refusal names the file."""
-  from d2f_jax.convert import safetensors_io
-  monkeypatch.setattr(safetensors_io, "_check_tiling", lambda *a: None)
+  from d2f_jax.convert.safetensors import read
+  monkeypatch.setattr(read, "_check_tiling", lambda *a: None)
   path = os.path.join(hf, WEIGHTS)
   header, data = split_file(path)
   for entry in header.values():
@@ -382,7 +382,7 @@ def test_converted_weights_still_bit_identical_through_the_library_reader(source
   """The library-backed reader returns exactly the bytes the safetensors package reads."""
   from safetensors.numpy import load_file
   expected = load_file(os.path.join(source, WEIGHTS))
-  with convert.safetensors_io.CheckpointReader(source) as reader:
+  with convert.safetensors.CheckpointReader(source) as reader:
     for name, want in expected.items():
       got = reader.read(name)
       assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from d2f_jax.convert import mapping
 from d2f_jax.convert.mapping import check_params
 from d2f_jax.convert.hf_config import ATTENTION_KEY, attention_of, check_same_shapes, hf_config_from_model
-from d2f_jax.convert.safetensors_io import TensorSpec, write_sharded
+from d2f_jax.convert.safetensors import TensorSpec, write_sharded
 from d2f_jax.convert.model_card import CARD_FILE, hf_card
 from d2f_jax.convert.util import as_numpy_dtype, assign, atomic_dir, copy_aux_files
 from d2f_jax.models.config import ModelConfig

@@ -21,7 +21,7 @@ from d2f_jax.convert.errors import CheckpointError
 from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.hf_config import declared_dtype, read_hf_config
 from d2f_jax.convert.pickle_io import PickleReader, find_pickles
-from d2f_jax.convert.safetensors_io import CheckpointReader, TensorInfo, find_safetensors
+from d2f_jax.convert.safetensors import CheckpointReader, TensorInfo, find_safetensors
 from d2f_jax.convert.util import as_numpy_dtype, assign
 from d2f_jax.models.config import ModelConfig
 

@@ -20,7 +20,7 @@ from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.validate import build_lora_config, get_bool, get_float, get_int, read_json_object
 from d2f_jax.convert.hf_import import checkpoint_dtype, copy_tensor, is_float_dtype
 from d2f_jax.convert.pickle_io import PickleReader
-from d2f_jax.convert.safetensors_io import CheckpointReader, TensorSpec, write_file
+from d2f_jax.convert.safetensors import CheckpointReader, TensorSpec, write_file
 from d2f_jax.convert.util import as_numpy_dtype, atomic_dir
 from d2f_jax.convert.model_card import CARD_FILE, adapter_card
 from d2f_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig

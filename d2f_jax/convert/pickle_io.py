@@ -2,7 +2,7 @@
 
 Unpickling can run code, so the importer refuses these files unless the caller opts in; even then they are
 loaded with `torch.load(weights_only=True)`, one file at a time, behind the same interface as
-`safetensors_io.CheckpointReader`.
+`d2f_jax.convert.safetensors.CheckpointReader`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from d2f_jax.convert.errors import CheckpointError, one_line
-from d2f_jax.convert.safetensors_io import TensorInfo
+from d2f_jax.convert.safetensors import TensorInfo
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 

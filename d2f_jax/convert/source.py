@@ -19,7 +19,7 @@ from d2f_jax.convert.hf_config import read_hf_config
 from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.hf_import import load_hf_params
 from d2f_jax.convert.pickle_io import find_pickles
-from d2f_jax.convert.safetensors_io import find_safetensors
+from d2f_jax.convert.safetensors import find_safetensors
 from d2f_jax.convert.util import missing_file_error
 from d2f_jax.models import LoraConfig, ModelConfig
 

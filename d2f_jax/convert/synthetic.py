@@ -17,7 +17,7 @@ import numpy as np
 from d2f_jax.convert import mapping
 from d2f_jax.convert.hf_config import hf_config_from_model
 from d2f_jax.convert.lora import peft_adapter_config, peft_names
-from d2f_jax.convert.safetensors_io import TensorSpec, save_file, write_sharded
+from d2f_jax.convert.safetensors import TensorSpec, save_file, write_sharded
 from d2f_jax.convert.util import as_numpy_dtype
 from d2f_jax.models.config import LoraConfig, ModelConfig
 

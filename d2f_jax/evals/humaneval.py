@@ -4,7 +4,7 @@ A diffusion decoder writes whole blocks, so a completion rarely ends where the f
 into test code, a `__main__` block or a markdown fence. Post-processing keeps the function and drops the
 rest. The candidate sandbox runs `prompt + completion`; a separate judge sandbox runs the prompt's own
 helpers and the tests and calls `check` on the candidate's entry point across the sandbox boundary, so the
-verdict is the judge's, not the completion's exit status (evals/sandbox.py has the threat model).
+verdict is the judge's, not the completion's exit status (evals/sandbox/core.py has the threat model).
 
 Protocol (the built-in fast path): the prompt is the problem's own prompt (completion style, no chat
 template, no few-shot), one greedy or sampled generation per problem (pass@1), human-eval's truncation.

@@ -1,6 +1,6 @@
 """Functions the local lm-eval task configs call (`!function d2f_tasks.NAME`): the local test files as
 datasets, few-shot exemplars, the built-in harness's GSM8K scoring, and HumanEval judged in the project's
-sandbox (evals/sandbox.py)."""
+sandbox (evals/sandbox/)."""
 
 from __future__ import annotations
 

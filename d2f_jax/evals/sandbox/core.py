@@ -2,7 +2,7 @@
 
 Isolation (`Sandbox(isolation=...)`, recorded in results.json through `describe()`):
   - "bubblewrap" (default): every process in fresh user/pid/mount/network/ipc/uts namespaces with a
-    read-only minimal root, a private size-capped tmpfs, user 65534 and rlimits (sandbox_bwrap.py). If
+    read-only minimal root, a private size-capped tmpfs, user 65534 and rlimits (bwrap.py). If
     bwrap cannot run here, constructing the sandbox raises BubblewrapUnavailable; nothing falls back
     silently.
   - "process": the fallback for hosts without namespaces (some Colab runtimes), chosen explicitly and
@@ -28,8 +28,8 @@ test passes iff the host reads back exactly that token. Threat model (bubblewrap
 Whole programs (`run`, the author is the one judged) pass when the launcher reaches the end of them.
 
 This module: the options, their checks, describe() and the bubblewrap probe. The runs' processes, pipes
-and token are sandbox_exec.py's; TestProgram and ExecResult are sandbox_result.py's; the child side is
-sandbox_launcher.py.
+and token are execute.py's; TestProgram and ExecResult are result.py's; the child side is launcher.py
+(all in this package, d2f_jax/evals/sandbox/).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from d2f_jax.evals import sandbox_bwrap, sandbox_exec
-from d2f_jax.evals.sandbox_bwrap import BubblewrapUnavailable
-from d2f_jax.evals.sandbox_result import ExecResult, TestProgram
+from d2f_jax.evals.sandbox import bwrap, execute
+from d2f_jax.evals.sandbox.bwrap import BubblewrapUnavailable
+from d2f_jax.evals.sandbox.result import ExecResult, TestProgram
 
 __all__ = ["Sandbox", "ExecResult", "TestProgram", "BubblewrapUnavailable", "bubblewrap_unavailable_reason",
            "ISOLATIONS"]
@@ -63,7 +63,7 @@ class ProcessIsolationWarning(UserWarning):
 def bubblewrap_unavailable_reason(python: str | None = None) -> str | None:
   """None when the bubblewrap sandbox works on this host, else the reason (for skips and error messages)."""
   try:
-    return _bubblewrap_reason(sandbox_bwrap.base_interpreter(python))
+    return _bubblewrap_reason(bwrap.base_interpreter(python))
   except BubblewrapUnavailable as e:
     return str(e)
 
@@ -127,7 +127,7 @@ class Sandbox:
     if self.python is not None and shutil.which(self.python) is None:
       raise ValueError(f"Sandbox.python {self.python!r} is not an executable interpreter")
     if self.isolation == "bubblewrap":
-      self.python = sandbox_bwrap.base_interpreter(self.python)
+      self.python = bwrap.base_interpreter(self.python)
       reason = None if self._probe else _bubblewrap_reason(self.python)
       if reason is not None:
         raise BubblewrapUnavailable(
@@ -158,8 +158,8 @@ class Sandbox:
               "file_mb": self.file_mb, "open_files": self.max_open_files, "python": self.python,
               "verdict": "token written by a separate judge sandbox after check() returned"}
     if self.isolation == "bubblewrap":
-      return {"isolation": "bubblewrap", "bwrap": sandbox_bwrap.bwrap_binary(), **limits,
-              "max_processes": self.max_processes, "tmpfs_mb": self.tmpfs_mb, "uid": sandbox_bwrap.SANDBOX_UID,
+      return {"isolation": "bubblewrap", "bwrap": bwrap.bwrap_binary(), **limits,
+              "max_processes": self.max_processes, "tmpfs_mb": self.tmpfs_mb, "uid": bwrap.SANDBOX_UID,
               "namespaces": ["user", "pid", "mount", "network", "ipc", "uts", "cgroup"],
               "root": "read-only: interpreter, its shared libraries and standard library only"}
     return {"isolation": "process", **limits, "max_processes": self.max_processes if self.drop_privileges else None,
@@ -169,13 +169,13 @@ class Sandbox:
   # ------------------------------------------------------------------------------------------ runs
   def run(self, source: str) -> ExecResult:
     """Run a whole program; 'passed' when it ran to its end without an exception."""
-    return sandbox_exec.run(self, {"program": {"mode": "program", "source": source}}, main="program")
+    return execute.run(self, {"program": {"mode": "program", "source": source}}, main="program")
 
   def run_test(self, test: TestProgram) -> ExecResult:
     """Judge one test: 'passed' only if the judge's token came back after check() returned."""
     roles = {"judge": {"mode": "judge", "source": test.tests, "entry_point": test.entry_point},
              "candidate": {"mode": "serve", "source": test.candidate, "entry_point": test.entry_point}}
-    return sandbox_exec.run(self, roles, main="judge")
+    return execute.run(self, roles, main="judge")
 
   def run_many(self, jobs: list, workers: int = 1) -> list[ExecResult]:
     """Run programs (str) or tests (TestProgram) `workers` at a time; results in the order given."""
@@ -202,8 +202,8 @@ class Sandbox:
 # ------------------------------------------------------------------------------------------ probe
 def _bubblewrap_reason(python: str) -> str | None:
   """None when a bubblewrap sandbox works here for `python`, else why not: bwrap's own checks
-  (sandbox_bwrap.probe), then a trivial program through the real code path."""
-  return sandbox_bwrap.probe(python) or _trial_run(python)
+  (bwrap.probe), then a trivial program through the real code path."""
+  return bwrap.probe(python) or _trial_run(python)
 
 
 @functools.lru_cache(maxsize=None)

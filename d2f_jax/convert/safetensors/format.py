@@ -2,7 +2,7 @@
 
 Format: 8-byte little-endian header length N, N bytes of JSON header
 ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}), then raw
-little-endian tensor bytes. Reading (safetensors_io.py) and writing (safetensors_write.py) share these.
+little-endian tensor bytes. Reading (read.py) and writing (write.py) share these.
 """
 
 from __future__ import annotations

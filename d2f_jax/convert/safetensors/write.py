@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from d2f_jax.convert.safetensors_format import INDEX_SUFFIX, dtype_code
+from d2f_jax.convert.safetensors.format import INDEX_SUFFIX, dtype_code
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Launch and kill one sandbox run: the roles' processes, their pipes, the verdict token, the wall timeout.
 
-`run` is the host side of the protocol that sandbox.py's docstring describes: a test is a judge and a
+`run` is the host side of the protocol that core.py's docstring describes: a test is a judge and a
 candidate sandbox joined by a request and a reply pipe, and only the judge holds the verdict pipe and
 the per-run token; a whole program gets the verdict pipe itself and says b"done" at its end. Each role
-runs sandbox_launcher.py (with the standard-library modules it loads, copied or bound beside it) on a
-job file, under bwrap (sandbox_bwrap.py) or as a plain process group, and is killed when the run ends.
+runs launcher.py (with the standard-library modules it loads, copied or bound beside it) on a
+job file, under bwrap (bwrap.py) or as a plain process group, and is killed when the run ends.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from d2f_jax.evals import sandbox_bwrap
-from d2f_jax.evals.sandbox_bwrap import BubblewrapUnavailable
-from d2f_jax.evals.sandbox_launcher import SIBLINGS
-from d2f_jax.evals.sandbox_result import ExecResult
+from d2f_jax.evals.sandbox import bwrap
+from d2f_jax.evals.sandbox.bwrap import BubblewrapUnavailable
+from d2f_jax.evals.sandbox.launcher import SIBLINGS
+from d2f_jax.evals.sandbox.result import ExecResult
 
-_LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+_LAUNCHER = Path(__file__).with_name("launcher.py")
 _LAUNCHER_MODULES = tuple(Path(__file__).with_name(f"{name}.py") for name in SIBLINGS)
 NOBODY = (65534, 65534)
 
@@ -92,14 +92,14 @@ def spawn(box, outer: str, name: str, job: dict, fds: tuple, untrusted: bool):
   if box.isolation == "bubblewrap":
     os.chmod(home, 0o755)
     root = os.geteuid() == 0
-    job.update(workdir=sandbox_bwrap.WORKDIR)
+    job.update(workdir=bwrap.WORKDIR)
     if root:
-      job.update(uid=sandbox_bwrap.SANDBOX_UID, gid=sandbox_bwrap.SANDBOX_UID)
+      job.update(uid=bwrap.SANDBOX_UID, gid=bwrap.SANDBOX_UID)
       info_r, info_w = os.pipe()
       block_r, block_w = os.pipe()
       extra_fds = (info_w, block_r)
     job_path = _write_job(home, job, 0o644)
-    command = sandbox_bwrap.command(box.python, launcher=str(_LAUNCHER), job=job_path,
+    command = bwrap.command(box.python, launcher=str(_LAUNCHER), job=job_path,
                                     modules=tuple(str(m) for m in _LAUNCHER_MODULES),
                                     tmpfs_bytes=box.tmpfs_mb << 20, map_ids_ourselves=root,
                                     block_fd=extra_fds[1] if root else None,
@@ -135,7 +135,7 @@ def spawn(box, outer: str, name: str, job: dict, fds: tuple, untrusted: bool):
         os.close(fd)
   if extra_fds:
     try:
-      sandbox_bwrap.write_id_maps(info_r, block_w)
+      bwrap.write_id_maps(info_r, block_w)
     except (BubblewrapUnavailable, OSError) as e:
       _kill_group(proc)
       raise BubblewrapUnavailable(f"{e}; bwrap said: {_tail(err_path, 400).strip()}") from None

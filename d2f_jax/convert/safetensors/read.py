@@ -6,8 +6,8 @@ cover); tensors are then read with `safe_open(framework="np")` + `get_slice` (ml
 chunk by row chunk, reopening the file per chunk: the library maps the file, and mapped pages count in the
 converter's RSS until the handle is dropped, so at most one chunk's pages stay mapped.
 
-The format's definitions (safetensors_format.py) and the writer (safetensors_write.py) are re-exported here,
-so `safetensors_io` stays the one module callers import.
+`import safetensors` below is the third-party library (imports are absolute); callers import this package,
+d2f_jax.convert.safetensors, whose __init__ gathers this reader, the format (format.py) and the writer (write.py).
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ import struct
 import numpy as np
 import safetensors
 
-from d2f_jax.convert.safetensors_format import (DTYPE_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
-                                                TensorInfo, dtype_code)
+from d2f_jax.convert.safetensors.format import (DTYPE_CODES, DTYPES, INDEX_SUFFIX, SINGLE_FILE, SafetensorsError,
+                                                TensorInfo)
 from d2f_jax.convert.util import missing_file_error
-from d2f_jax.convert.safetensors_write import TensorSpec, plan_shards, save_file, write_file, write_sharded
 
-__all__ = [
-    "DTYPES", "INDEX_SUFFIX", "SINGLE_FILE", "READ_CHUNK_BYTES", "SafetensorsError", "TensorInfo", "dtype_code",
-    "read_header", "CheckpointReader", "find_safetensors", "TensorSpec", "plan_shards", "save_file", "write_file",
-    "write_sharded",
-]
+__all__ = ["READ_CHUNK_BYTES", "read_header", "CheckpointReader", "find_safetensors"]
 
 _MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
 READ_CHUNK_BYTES = 32 << 20  # bytes of one tensor read (and mapped) at a time

@@ -165,7 +165,7 @@ def _said(data: bytes) -> str:
 @functools.lru_cache(maxsize=None)
 def probe(python: str) -> str | None:
   """None when bwrap is here and can build a minimal root for `python`, else why not. Whether namespaces
-  are permitted only a run tells: sandbox.py's probe goes on to run a trivial program the real way."""
+  are permitted only a run tells: core.py's probe goes on to run a trivial program the real way."""
   try:
     minimal_root(python)
     bwrap_binary()

@@ -1,12 +1,12 @@
 """Child side of the sandbox: set limits, drop to the sandbox user, then play one role. Standard library only.
 
-Run as `python -I -S -B -X utf8 sandbox_launcher.py JOB.json` (inside bubblewrap, or as a plain process in
+Run as `python -I -S -B -X utf8 launcher.py JOB.json` (inside bubblewrap, or as a plain process in
 the fallback). JOB holds the role and its inputs:
   - "program": run `source` as __main__; on reaching its end write b"done" to `status_fd`. Used for whole
     programs whose author is the one judged, so a pass is only "ran to its end without an exception".
   - "serve" (the candidate side of a test): run `source` (prompt + model completion), then answer calls
     to `entry_point` arriving on `request_fd` with results on `reply_fd`, values in a strict data-only
-    encoding (sandbox_wire.py). It never sees the tests, the expected values, the verdict channel or the token.
+    encoding (wire.py). It never sees the tests, the expected values, the verdict channel or the token.
   - "judge" (trusted, in its own sandbox): run `source` (the benchmark's prompt helpers and tests), call
     `check(remote entry point)`, and only after it returned write the per-run token to `verdict_fd`.
 Run by path, it loads SIBLINGS (standard-library-only files) from its own directory: -I keeps that directory
@@ -20,7 +20,7 @@ import sys
 import traceback
 
 _exit = os._exit  # kept before the process-mode guards replace it
-SIBLINGS = ("sandbox_wire", "sandbox_guards")  # what it loads below; the host puts these files beside it
+SIBLINGS = ("wire", "guards")  # what it loads below; the host puts these files beside it
 
 
 def _sibling(name):
@@ -32,11 +32,11 @@ def _sibling(name):
   return module
 
 
-if __package__:  # imported as d2f_jax.evals.sandbox_launcher (the host, tests)
-  from d2f_jax.evals import sandbox_guards, sandbox_wire
+if __package__:  # imported as d2f_jax.evals.sandbox.launcher (the host, tests)
+  from d2f_jax.evals.sandbox import guards, wire
 else:  # run by path
-  sandbox_wire, sandbox_guards = _sibling("sandbox_wire"), _sibling("sandbox_guards")
-encode, decode, send, receive = sandbox_wire.encode, sandbox_wire.decode, sandbox_wire.send, sandbox_wire.receive
+  wire, guards = _sibling("wire"), _sibling("guards")
+encode, decode, send, receive = wire.encode, wire.decode, wire.send, wire.receive
 
 
 # ---------------------------------------------------------------------------------------------- roles
@@ -152,7 +152,7 @@ def main():
   os.chdir(job["workdir"])
   sys.argv = [job["mode"]]
   if job.get("guards"):
-    sandbox_guards.install_guards(os.path.realpath(job["workdir"]))
+    guards.install_guards(os.path.realpath(job["workdir"]))
   role = {"program": program, "serve": serve, "judge": judge}[job["mode"]]
   try:
     code = role(job)
