@@ -22,7 +22,7 @@ from flax import nnx
 from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.source import TOKENIZER_FILES, load_tokenizer  # noqa: F401  (public here too)
 from d2f_jax.decode.mesh import DecodeMesh
-from d2f_jax.decode.runner_model import shard_model, with_attention
+from d2f_jax.decode.runner.model import shard_model, with_attention
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, abstract_model, logits_for_mode
 
 

@@ -13,7 +13,8 @@ import pathlib
 import jax
 import pytest
 
-from d2f_jax.bench import cost, cost_compile, cost_model as cm
+from d2f_jax.bench import cost
+from d2f_jax.bench.cost import compiled as cost_compile, model as cm
 from d2f_jax.decode.step_programs import StepShape
 from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.models import ModelConfig
@@ -198,7 +199,7 @@ def test_the_uncorrected_logits_row_gathers_move_no_packaged_projection():
   from d2f_jax.aot import topology as topo
   from d2f_jax.bench import cost as bench
   from d2f_jax.models import preset
-  folder = pathlib.Path(bench.__file__).parent / "compiled_costs"
+  folder = pathlib.Path(bench.__file__).parent.parent / "compiled_costs"  # d2f_jax/bench/compiled_costs
   checked = 0
   for path in sorted(folder.glob("*.json")):
     sheet = datasheets.by_name(bench.SHEETS[topo.parse_target(path.stem).kind])
@@ -228,7 +229,7 @@ def test_the_uncorrected_logits_row_gathers_move_no_packaged_projection():
 
 
 def test_the_frontier_takes_the_fastest_mode_within_one_standard_error_of_exact_d2f():
-  from d2f_jax.bench import cost_report
+  from d2f_jax.bench.cost import report as cost_report
   step = {"d2f_step": {1: 4.0, 2: 6.0, 3: 8.0}, "ar_step": 3.0, "d2f_prefill": 10.0, "ar_prefill": 10.0}
   tables = {s: {1: step, 32: {k: ({w: 8 * ms for w, ms in v.items()} if isinstance(v, dict) else 8 * v)
                                   for k, v in step.items()}} for s in cost_report.SOURCES}

@@ -74,7 +74,7 @@ def test_packaged_compiled_costs_are_of_this_cost_version():
   """`bench device` prints the packaged compiled costs beside its measurements: a package whose programs or
   accounting changed since (a stale COST_VERSION) would print numbers no longer true of the code."""
   import pathlib
-  from d2f_jax.bench import cost_compile
+  from d2f_jax.bench.cost import compiled as cost_compile
   folder = pathlib.Path(device.__file__).parent / "compiled_costs"
   files = sorted(folder.glob("*.json"))
   assert files, folder
@@ -87,7 +87,7 @@ def test_the_projection_drops_compiled_bytes_when_a_sibling_program_shows_them_i
   """bench cost's rule, applied where the device's numbers are compared: one program of the same model and
   cache with bytes under its weights (libtpu's count did this) and the compiled column uses the formula's."""
   from d2f_jax import datasheets
-  from d2f_jax.bench import cost_model as cm
+  from d2f_jax.bench.cost import model as cm
   from d2f_jax.decode.step_programs import StepShape
   from d2f_jax.models import preset
   config = preset("tiny-llada", dtype="bfloat16", param_dtype="bfloat16")

@@ -133,7 +133,7 @@ def test_bench_width_table_runs_and_checks_tokens(tmp_path):
 def test_resolved_once_per_config_and_unhashable_fields_still_decode():
   """The runner resolves a (config, model config) once; a config with list fields (unhashable) is resolved
   afresh each call and decodes exactly as its tuple twin."""
-  from d2f_jax.decode import runner_prepare
+  from d2f_jax.decode.runner import inputs as runner_prepare
   model = sharp_model("llada")
   config = DecodeConfig(block_size=4, max_new_tokens=16, prompt_buckets=16, stop_tokens=(3,))
   runner_prepare._resolved.cache_clear()

@@ -28,7 +28,7 @@ from flax import nnx
 
 from d2f_jax.usage import ArgumentParser
 from d2f_jax import datasheets
-from d2f_jax.bench import cost_model as cm
+from d2f_jax.bench.cost import model as cm
 from d2f_jax.bench.cost import SHEETS
 from d2f_jax.reporting import format_table, write_json, write_report
 

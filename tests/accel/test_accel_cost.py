@@ -7,7 +7,7 @@ step agree with the formula's within 1.5x (a width-256 model: its matmuls domina
 import pytest
 
 from d2f_jax.aot import topology as topo
-from d2f_jax.bench import cost_compile, cost_model as cm
+from d2f_jax.bench.cost import compiled as cost_compile, model as cm
 from d2f_jax.decode.step_programs import StepShape
 from d2f_jax.models import ModelConfig
 

@@ -8,7 +8,7 @@ For each target, model and cache length it compiles, with the target's real comp
 plugin; abstract bf16 weights, Pallas attention, the target's decode mesh as `aot` picks it), the forwards a
 decode runs (decode/step_programs.py): the D2F step at each window width, the AR step, vanilla's full
 forward and both prefills, at the `--batch` sizes. FLOPs and bytes per device come from each executable's
-cost analysis (bench/cost_compile.py says how loops, opaque Pallas kernels and NVIDIA's missing analysis are
+cost analysis (bench/cost/compiled.py says how loops, opaque Pallas kernels and NVIDIA's missing analysis are
 handled); ms per forward = max(FLOPs / peak, bytes / bandwidth) with the data sheets' peaks. With the tokens
 per forward and window widths of a results.json it prints projected tokens/s of every method at each batch
 of `--project`, D2F / AR, and the batch above which AR is faster. Every number is a projection; each cell
@@ -31,7 +31,7 @@ import sys
 from d2f_jax.usage import ArgumentParser
 from d2f_jax import datasheets
 from d2f_jax.aot import topology as topo
-from d2f_jax.bench import cost_model as cm, cost_report
+from d2f_jax.bench.cost import model as cm, report as cost_report
 from d2f_jax.reporting import format_table, write_json
 
 MODELS = ("llada-8b", "dream-7b")
@@ -110,7 +110,7 @@ def cache_key(target: str, model: str, fields: dict) -> str:
   """One program's key: the jax version and the cost version (cost_compile.COST_VERSION) make entries of
   other programs or accounting stale, never reused."""
   import jax
-  from d2f_jax.bench.cost_compile import COST_VERSION
+  from d2f_jax.bench.cost.compiled import COST_VERSION
   return "|".join([jax.__version__, f"v{COST_VERSION}", target, model] + [f"{k}={v}" for k, v in sorted(fields.items())])
 
 
@@ -129,7 +129,7 @@ def cache_file(cache_dir: str, target) -> str:
 def compile_target(target, programs, cache_path: str, log=print) -> dict:
   """Compile (or take from the cache file) every program for one target; returns {key: entry}."""
   from d2f_jax.aot.programs import decode_mesh_shape
-  from d2f_jax.bench import cost_compile
+  from d2f_jax.bench.cost import compiled as cost_compile
   from d2f_jax.models import preset
   from d2f_jax import sharding
   topo.configure_jax(target.platform)
@@ -164,7 +164,7 @@ def _child(target, argv: list[str], venvs: str) -> int:
   if not os.path.exists(python):
     raise topo.CompilerMissing(f"{target.name} needs its compiler, missing here and in {venv} (--accel_venvs; "
                                f"make it with .ci/accel_venvs.sh)")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the checkout: d2f_jax's parent
   rest = [a for i, a in enumerate(argv) if a != "--target" and (i == 0 or argv[i - 1] != "--target")]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
@@ -223,7 +223,7 @@ def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
 
 def implausible_group(group: list[dict]) -> str:
   """Why the compiled bytes of one (target, model, cache length) group of cache entries are not HBM traffic,
-  or '': any program's count failing cost_model.implausible_bytes, or one program accounting fewer bytes at a
+  or '': any program's count failing model.implausible_bytes, or one program accounting fewer bytes at a
   larger batch (more rows never move less), condemns the group's (one compiler's byte model, trusted whole or
   not at all). libtpu passes the first test on some tables and fails the second (v5p-8 Dream-7B, cache 512:
   AR step 5.23 GB at batch 1, 5.15 GB at batch 32)."""

@@ -10,14 +10,14 @@ Three things stand between `compiled.cost_analysis()` and a cost per forward, ea
   FLOPs the compiler reports as ~0 and whose bytes it guesses from the operands (the whole stacked cache
   buffer, though the kernel reads one layer up to cache_len). Each layer's kernel call is therefore also
   compiled alone, with the same shapes (the cache stacked over the same 2 or 3 layers) and shardings,
-  extrapolated like the program and subtracted; the attention formula (cost_model.attention_cost) is added.
+  extrapolated like the program and subtracted; the attention formula (model.attention_cost) is added.
 - In-place cache writes: the forward's KV cache write is a scatter of the window's rows into the donated
   stacked cache, done in place, but the cost analysis counts the whole cache read and written (1 GB per
   LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 2 and 3
-  layers, and subtracted; the formula's bytes (the rows written) are added (cost_model.write_cost).
+  layers, and subtracted; the formula's bytes (the rows written) are added (model.write_cost).
 - The embedding gather: the cost analysis charges a gather its whole operand, the embedding table (1.04 GB for
   LLaDA-8B) for a few rows. It is compiled alone (the table sharded as the model's, the forward's token ids)
-  and subtracted; the formula's bytes (the rows read and written) are added (cost_model.gather_cost).
+  and subtracted; the formula's bytes (the rows read and written) are added (model.gather_cost).
 - NVIDIA targets: the deviceless compile has no cost analysis ("GetCostAnalysis is not supported"), so XLA's
   HloCostAnalysis is run on the compiled (optimized, fused) HLO module it does return.
 All numbers are per device (the SPMD-partitioned module) for the target's decode mesh.

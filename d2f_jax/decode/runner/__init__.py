@@ -10,8 +10,8 @@ shards and split over them, and the whole loop is traced inside `mesh_layout` (d
 kernels run in shard_map. `decode_program` builds the same jitted loop over abstract inputs for
 ahead-of-time compilation.
 
-Here: the entry points. Copies of a model handle are runner_model.py, input preparation runner_prepare.py, the
-jitted programs runner_programs.py and the ahead-of-time builder runner_aot.py; the handle itself is
+Here (the package's public face): the entry points. Copies of a model handle are model.py, input preparation
+inputs.py, the jitted programs programs.py and the ahead-of-time builder aot.py; the handle itself is
 d2f_jax.api.Model.
 """
 
@@ -23,10 +23,10 @@ import numpy as np
 
 from d2f_jax.decode.config import DecodeConfig, resolve
 from d2f_jax.decode.result import DecodeResult
-from d2f_jax.decode.runner_aot import DecodeProgram, decode_program
-from d2f_jax.decode.runner_model import shard_model, with_attention
-from d2f_jax.decode.runner_prepare import Prepared, cut_padding, pack_prompts, prepare
-from d2f_jax.decode.runner_programs import (ALGORITHMS, finish_program, init_program, run_loop, step_program,
+from d2f_jax.decode.runner.aot import DecodeProgram, decode_program
+from d2f_jax.decode.runner.model import shard_model, with_attention
+from d2f_jax.decode.runner.inputs import Prepared, cut_padding, pack_prompts, prepare
+from d2f_jax.decode.runner.programs import (ALGORITHMS, finish_program, init_program, run_loop, step_program,
                                            trace_count)
 
 __all__ = [

@@ -16,7 +16,7 @@ from flax import nnx
 from d2f_jax.decode.config import DecodeConfig, DecodeSpec, resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.decode.result import DecodeResult
-from d2f_jax.decode.runner_programs import decode_loop
+from d2f_jax.decode.runner.programs import decode_loop
 from d2f_jax.models import ModelConfig, abstract_model, with_shardings
 
 
