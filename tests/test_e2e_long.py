@@ -172,3 +172,17 @@ def test_long_smoke_run_trains_at_block_16_and_decodes_at_block_32(tmp_path):
   markdown = (tmp_path / "results.md").read_text()
   assert "block 32 (distilled at block 16), at most 64 new tokens." in markdown
   assert "positions computed per accepted token" in markdown
+
+
+def test_the_committed_long_results_are_the_variants_run():
+  """results/tiny_e2e_long/results.json (what `bench cost --frontier` projects without retraining) ran with the
+  config `configs/tiny_e2e.py:long` gives today, every mode of its sweep among its rows; a changed variant
+  must be rerun and committed again."""
+  path = pathlib.Path(__file__).parent.parent / "results" / "tiny_e2e_long" / "results.json"
+  payload = json.loads(path.read_text())
+  assert payload["config"] == json.loads(json.dumps(_config("long").to_dict()))
+  settings = [row["settings"] for row in payload["rows"]]
+  assert sum(s.endswith("cached") for s in settings) == 3 and len(settings) == 14, settings
+  exact = [r for r in payload["rows"] if r["method"] == "d2f" and r["decode"]["query_limit"] is None
+           and not r["decode"].get("cache_decided") and r["decode"]["block_size"] == 32]
+  assert exact and all(r["total"] == 64 for r in payload["rows"])

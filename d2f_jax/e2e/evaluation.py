@@ -59,8 +59,8 @@ def decode_rows(c, models: dict) -> list[tuple[str, str, str, DecodeConfig]]:
   for block, query_limit, *cached in c.get("mode_sweep", ()):  # (block, q) or (block, q, cache_decided)
     cached = bool(cached and cached[0])
     mode = {"block_size": block or common["block_size"], "query_limit": query_limit, "cache_decided": cached}
-    label = " ".join(f"{key}={value}" for key, value in (("block", block), ("q", query_limit)) if value)
-    label += " cached" * cached
+    label = " ".join([f"{key}={value}" for key, value in (("block", block), ("q", query_limit)) if value]
+                     + ["cached"] * cached)
     rows.append(("d2f", "student", f"add={tau_add} act={tau_act} conf={tau_conf} {label}",
                  DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf,
                               max_blocks_in_flight=cap, **{**common, **mode})))
