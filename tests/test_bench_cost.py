@@ -15,7 +15,7 @@ import pytest
 
 from d2f_jax.bench import cost
 from d2f_jax.bench.cost import compiled as cost_compile, model as cm
-from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.forward_probes import StepShape
 from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.models import ModelConfig
 from d2f_jax import sharding
@@ -34,7 +34,7 @@ def _mesh():
 def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
   deep = SMALL.replace(num_layers=4)  # one layer past the fitted depths (2, 3): the line is checked, not met
   shape = StepShape("d2f_step", batch=1, prompt=32, new_tokens=32, block_size=8, width=2)
-  got = cost_compile.forward_cost(deep, shape, _mesh(), log=lambda _: None)
+  got = cost_compile.compiled_forward(deep, shape, _mesh(), log=lambda _: None)
   direct = cost_compile.program_cost(deep, shape, _mesh(), deep.num_layers)  # 4 layers, unrolled
   assert got["flops"] == pytest.approx(direct["flops"], rel=0.03), (got, direct)
   # Bytes within 8%: the CPU compile (most optimisations off in the suite) counted 5.5% more at 4 layers than
@@ -49,7 +49,7 @@ def test_extrapolated_layers_match_the_full_depth_and_flops_match_the_formula():
   cache_bytes = 2 * 4 * 1 * 64 * 2 * 64 * 2
   assert got["write"]["bytes"] >= 2 * cache_bytes, got["write"]
   # ... and replaced by the formula's rows: 16 window tokens' k and v, read and written.
-  write = cm.write_cost(deep, shape, {"data": 1, "tensor": 1})
+  write = cm.cache_write_formula(deep, shape, {"data": 1, "tensor": 1})
   assert write == {"flops": 0.0, "bytes": 2 * 2 * 2 * 4 * 1 * 16 * 2 * 64}
   # The embedding gather is counted with the whole table (2048 x 256 bf16) as its operand ...
   assert got["gather"]["bytes"] >= 2048 * 256 * 2, got["gather"]
@@ -82,7 +82,7 @@ def test_byte_counts_that_cannot_be_traffic_are_replaced_by_the_formula_for_the_
   from d2f_jax.models import preset
   tiny = preset("tiny-llada", dtype="bfloat16", param_dtype="bfloat16")
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-  floor = cm.weight_bytes(tiny, mesh)
+  floor = cm.weights_per_device(tiny, mesh)
   shapes = [dict(kind="ar_step", batch=b, prompt=32, new_tokens=32, block_size=8, width=1) for b in (1, 4)]
   entry = lambda shape, nbytes: {"model": "tiny-llada", "cache_len": 64, "shape": shape, "mesh": mesh,
                                  "compiled": {"flops": 1e6 * shape["batch"], "bytes": nbytes, "opaque": []}}

@@ -88,11 +88,11 @@ def test_the_projection_drops_compiled_bytes_when_a_sibling_program_shows_them_i
   cache with bytes under its weights (libtpu's count did this) and the compiled column uses the formula's."""
   from d2f_jax import datasheets
   from d2f_jax.bench.cost import model as cm
-  from d2f_jax.decode.step_programs import StepShape
+  from d2f_jax.decode.forward_probes import StepShape
   from d2f_jax.models import preset
   config = preset("tiny-llada", dtype="bfloat16", param_dtype="bfloat16")
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-  floor, sheet = cm.weight_bytes(config, mesh), datasheets.by_name("TPU v5e")
+  floor, sheet = cm.weights_per_device(config, mesh), datasheets.by_name("TPU v5e")
   shapes = [dict(kind="ar_step", batch=b, prompt=32, new_tokens=32, block_size=8, width=1) for b in (1, 2)]
   step = StepShape(**shapes[0])
 

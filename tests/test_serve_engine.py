@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.decode import DecodeConfig, generate, resolve
+from d2f_jax.models import TINY_LLADA
 from d2f_jax.serve import Engine, EngineConfig, RequestError, RequestSettings
 from test_decode import sharp_model
 
@@ -163,9 +164,23 @@ def test_policies_are_checked_and_resolved():
                        (dict(policy="auto", auto_modes=((8, 4), (8, 2))), "ascend strictly"),
                        (dict(policy="auto", auto_modes=((0, 4),)), "pairs of positive ints"),
                        (dict(auto_modes=((8, 4),), query_limit=2), "the 'auto' policy's table"),
-                       (dict(method="ar", policy="auto", auto_modes=((8, 4),)), "needs a 'd2f' engine")]:
+                       (dict(method="ar", policy="auto", auto_modes=((8, 4),)), "needs a 'd2f' engine"),
+                       (dict(cache_decided=True), "cache_decided must be a bool, True only when"),
+                       (dict(cache_decided=1, query_limit=4), "cache_decided must be a bool")]:
     with pytest.raises(ValueError, match=message):
       EngineConfig(**bad)
+  # The cached modes: from the frontier's rows (a cached row without a limit runs at q = the block size) and
+  # into the compiled program; the sampling path is its own switch, not a temperature.
+  cached = [dict(batch=1, block_size=4, query_limit=None), dict(batch=8, block_size=4, query_limit=None,
+                                                                 cache_decided=True)]
+  assert auto_modes_from_frontier(cached, 4, cache_decided=True) == ((1, None), (8, 4))
+  with pytest.raises(ValueError, match="keeps decided K/V: serve with --cache_decided"):
+    auto_modes_from_frontier(cached, 4)
+  config = EngineConfig(query_limit=4, cache_decided=True, sampling=True).decode_config()
+  assert config.cache_decided and config.sample and config.temperature == 0.0
+  assert resolve(config, TINY_LLADA)[0].sample and not resolve(config.replace(sample=None), TINY_LLADA)[0].sample
+  with pytest.raises(ValueError, match="sample must be None or a bool"):
+    DecodeConfig(temperature=0.5, sample=False)
 
 
 def test_a_position_budget_narrows_the_engine_under_load_and_is_exact_with_room():

@@ -4,7 +4,7 @@ r"""Measure decode forwards on a real GPU / TPU, beside the projection for the s
   python -m d2f_jax.bench device --model dream-7b --widths 1,2,3 --batch 1
 
 What it measures: ms per forward of the 8B-shaped model (random bf16 weights, initialised on the device; the
-Pallas kernels) for the programs a decode runs (decode/step_programs.py): the D2F step at each window width,
+Pallas kernels) for the programs a decode runs (decode/forward_probes.py): the D2F step at each window width,
 the AR step and both prefills, at each batch, on the decode mesh over this host's devices; each forward
 is compiled once, then timed over `--repeats` calls. Beside each: the projected ms of the same program on
 this target (the compiled cost from `--cost_cache` when `bench cost` has compiled it, and the formula),
@@ -81,7 +81,7 @@ def random_model(config, mesh):
 
 def shapes(args) -> list:
   """Every StepShape to time, most important first: batch by batch, widths, AR step, prefills."""
-  from d2f_jax.decode.step_programs import StepShape
+  from d2f_jax.decode.forward_probes import StepShape
   new, block, length = (32, 8, 64) if args.tiny else (args.new_tokens, args.block_size, args.cache_len)
   out = []
   for batch in cm_ints(args.batch):
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return EXIT_BAD_INPUT
   from d2f_jax.aot.programs import decode_mesh_shape
-  from d2f_jax.decode.step_programs import step_program, time_ms
+  from d2f_jax.decode.forward_probes import forward_probe, time_ms
   from d2f_jax.models import preset
   from d2f_jax import sharding
   start = time.perf_counter()
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if time.perf_counter() - start > args.budget_s:
       skipped.append(f"{shape.kind} w{shape.width} b{shape.batch}")
       continue
-    ms = time_ms(step_program(model, shape, mesh=mesh), args.repeats)
+    ms = time_ms(forward_probe(model, shape, mesh=mesh), args.repeats)
     row = {"program": shape.kind, "width": shape.width if shape.kind == "d2f_step" else "", "batch": shape.batch,
            "measured ms": cm.fmt(ms)}
     if sheet is not None:

@@ -81,6 +81,9 @@ class DecodeConfig:
   query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
   position_budget: int | None = None  # d2f: positions a step may feed over the batch; None: no bound
   cache_decided: bool = False  # d2f: decided positions of blocks in flight are cached (approximate), not fed
+  # Compile the sampling path (temperature, top-p, top-k as knobs; a row at temperature 0 stays greedy); None:
+  # whenever temperature > 0. A server sets it once for every request it may take.
+  sample: bool | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -137,6 +140,9 @@ class DecodeConfig:
     if not isinstance(self.cache_decided, bool) or (self.cache_decided and self.method not in ("d2f", "threshold")):
       raise ValueError(f"DecodeConfig.cache_decided must be a bool, True only for method 'd2f' / 'threshold', "
                        f"got {self.cache_decided!r} with method {self.method!r}")
+    if self.sample is not None and not isinstance(self.sample, bool) or self.sample is False and self.temperature > 0:
+      raise ValueError(f"DecodeConfig.sample must be None or a bool, and not False with temperature > 0, got "
+                       f"{self.sample!r} (temperature {self.temperature!r})")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
       raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
@@ -254,7 +260,8 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   query_mode = run.query_limit is not None or run.position_budget is not None or run.cache_decided
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
                     block_size=run.block_size, max_new_tokens=run.max_new_tokens, max_blocks_in_flight=cap,
-                    window_widths=widths, sample=run.temperature > 0.0, steps=steps, alg=run.alg,
+                    window_widths=widths, sample=run.temperature > 0.0 if run.sample is None else run.sample,
+                    steps=steps, alg=run.alg,
                     query_mode=query_mode, position_budget=run.position_budget,
                     query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
                     cache_decided=run.cache_decided)

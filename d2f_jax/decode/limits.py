@@ -93,7 +93,7 @@ def kv_cache_bytes(config: ModelConfig, batch: int, length: int) -> int:
           * np.dtype(config.compute_dtype).itemsize)
 
 
-def weight_bytes(state) -> int:
+def state_nbytes(state) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype")))
 
 
@@ -120,7 +120,7 @@ def check_memory(config: ModelConfig, batch: int, length: int, state, devices,
   budget = budget_gib * GIB if budget_gib is not None else device_memory_bytes(devices)
   if budget is None:
     return
-  cache, weights = kv_cache_bytes(config, batch, length), weight_bytes(state)
+  cache, weights = kv_cache_bytes(config, batch, length), state_nbytes(state)
   if cache + weights > budget:
     where = f"memory_budget_gib={budget_gib}" if budget_gib is not None else \
         f"the {budget / GIB:.2f} GiB of {len(devices)} {devices[0].platform} device(s)"

@@ -2,7 +2,7 @@
 
 ceiling = tokens per forward x (AR step ms) / (D2F step ms at the row's mean window width)
 
-Both step costs are timed on the run's own models at batch 1 (decode/step_programs.py: the loop's step alone,
+Both step costs are timed on the run's own models at batch 1 (decode/forward_probes.py: the loop's step alone,
 compiled once, then carried over `REPEATS` calls), the D2F one at the compiled widths around the measured mean
 window and interpolated between them. On a compute-bound CPU a D2F forward over 2-3 blocks costs several AR
 forwards, so the ceiling sits far below the tokens per forward; the measured ratio (`speedup_vs_ar`) sits
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from d2f_jax.decode.step_programs import StepShape, step_program, time_ms
+from d2f_jax.decode.forward_probes import StepShape, forward_probe, time_ms
 from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.e2e.evaluation import decode_block_size
 from d2f_jax.e2e.projection import window_blocks
@@ -32,7 +32,7 @@ def prompt_width(rows: list[dict]) -> int:
 def step_ms(model, kind: str, width: int, c, repeats: int = REPEATS, prompt: int = PROMPT_WIDTH) -> float:
   shape = StepShape(kind, batch=1, prompt=prompt, new_tokens=c.max_new_tokens, block_size=decode_block_size(c),
                     width=width)
-  return time_ms(step_program(model, shape), repeats)
+  return time_ms(forward_probe(model, shape), repeats)
 
 
 def add_ceiling(rows: list[dict], models: dict, c, repeats: int = REPEATS) -> dict:

@@ -27,7 +27,7 @@ def layer_params(config: ModelConfig) -> int:
   return config.num_layers * per_layer
 
 
-def forward_cost(config: ModelConfig, n: float, c: float) -> tuple[float, float]:
+def roofline_forward(config: ModelConfig, n: float, c: float) -> tuple[float, float]:
   """(FLOPs, bytes) of one forward computing `n` tokens against `c` cached ones."""
   matmul = layer_params(config) + config.embed_dim * config.vocab_size
   attention = 4 * n * (c + n) * config.num_heads * config.head_dim * config.num_layers
@@ -61,7 +61,7 @@ def project(rows: list[dict], block_size: int, max_new_tokens: int, config: Mode
     if not row.get("tokens_per_forward"):
       continue
     n, c = forward_shape(row, block_size, max_new_tokens)
-    flops, nbytes = forward_cost(config, n, c)
+    flops, nbytes = roofline_forward(config, n, c)
     entry = {"method": row["method"], "settings": row["settings"], "tokens_per_forward": row["tokens_per_forward"],
              "tokens_per_fwd_window": n}
     for device, (peak, bandwidth) in DEVICES.items():

@@ -122,7 +122,7 @@ class EngineConfig:
     the engine and its ahead-of-time compile (serve/aot.py) both call it."""
     from d2f_jax.decode.config import DecodeConfig
     return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
-                        max_blocks_in_flight=self.max_blocks_in_flight, temperature=1.0 if self.sampling else 0.0,
+                        max_blocks_in_flight=self.max_blocks_in_flight, sample=self.sampling,
                         memory_budget_gib=self.memory_budget_gib, query_limit=self._compiled_query_limit(),
                         position_budget=self.position_budget, cache_decided=self.cache_decided)
 

@@ -17,7 +17,7 @@ import pytest
 
 from d2f_jax.aot import topology as topo
 from d2f_jax.bench.hlo_copies import copied_slices
-from d2f_jax.decode.step_programs import StepShape, step_program
+from d2f_jax.decode.forward_probes import StepShape, forward_probe
 from d2f_jax.models import preset
 
 
@@ -48,7 +48,7 @@ def test_decode_steps_copy_no_weight_or_cache_slice(target, model):
   found, known = {}, {}
   for kind, width, batch in SHAPES:
     shape = StepShape(kind, batch=batch, prompt=768, new_tokens=256, block_size=32, width=width)
-    text = step_program(config, shape, mesh=mesh).lower().compile().as_text()
+    text = forward_probe(config, shape, mesh=mesh).lower().compile().as_text()
     for copy in copied_slices(text):
       where = known if _known(t.platform, model, kind, batch, copy) else found
       where.setdefault(f"{kind} w{width} b{batch}", []).append(copy)
@@ -76,7 +76,7 @@ def test_scanned_decode_steps_copy_at_most_q_and_k_slices_on_tpu(target, model):
   k_slice = config.embed_dim * config.num_kv_heads * config.head_dim * 2 // mesh_shape["tensor"]
   for kind, width, batch in (("d2f_step", 2, 1), ("d2f_step", 2, 32), ("ar_step", 1, 1)):
     shape = StepShape(kind, batch=batch, prompt=768, new_tokens=256, block_size=32, width=width)
-    text = step_program(config, shape, mesh=mesh).lower().compile().as_text()
+    text = forward_probe(config, shape, mesh=mesh).lower().compile().as_text()
     assert "while" in text  # the layers really are a loop
     copies = copied_slices(text)
     assert len(copies) <= 2 and all(c.bytes in (q_slice, k_slice) for c in copies), (kind, batch, copies)

@@ -8,7 +8,7 @@ import pytest
 
 from d2f_jax.aot import topology as topo
 from d2f_jax.bench.cost import compiled as cost_compile, model as cm
-from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.forward_probes import StepShape
 from d2f_jax.models import ModelConfig
 
 SMALL = ModelConfig(vocab_size=2048, embed_dim=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -29,7 +29,7 @@ def test_step_costs_from_the_real_compiler(target):
   mesh = sharding.make_mesh(mesh_shape, devices)
   for kind, width in (("d2f_step", 2), ("ar_step", 1)):
     shape = StepShape(kind, batch=2, prompt=96, new_tokens=32, block_size=8, width=width)
-    got = cost_compile.forward_cost(SMALL, shape, mesh, log=lambda _: None)
+    got = cost_compile.compiled_forward(SMALL, shape, mesh, log=lambda _: None)
     attention = cm.attention_cost(SMALL, shape, mesh_shape)
     assert got["opaque"] == [OPAQUE[t.platform]], got
     # Opaque: what the compiler counts for the kernel calls alone (their reshapes and pads) is a sliver of the

@@ -6,7 +6,7 @@ r"""Projected decode speed of LLaDA-8B / Dream-7B on named targets, from the com
 
 For each target, model and cache length it compiles, with the target's real compiler (libtpu, the CUDA
 plugin; abstract bf16 weights, Pallas attention, the target's decode mesh as `aot` picks it), the forwards a
-decode runs (decode/step_programs.py): the D2F step at each window width, the AR step, vanilla's full
+decode runs (decode/forward_probes.py): the D2F step at each window width, the AR step, vanilla's full
 forward and both prefills, at the `--batch` sizes. FLOPs and bytes per device come from each executable's
 cost analysis (bench/cost/compiled.py says how loops, opaque Pallas kernels and NVIDIA's missing analysis are
 handled); ms per forward = max(FLOPs / peak, bytes / bandwidth) with the data sheets' peaks. With the tokens
@@ -80,7 +80,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def plan(args) -> list[tuple[str, int, dict]]:
   """(model, cache length, StepShape fields) of every program to compile."""
   from d2f_jax.decode.widths import window_widths_for
-  from d2f_jax.decode.step_programs import KINDS, StepShape
+  from d2f_jax.decode.forward_probes import KINDS, StepShape
   models = args.model or (TINY["models"] if args.tiny else MODELS)
   lengths = list(TINY["cache_len"]) if args.tiny and args.cache_len == "512,1024" else _ints(args.cache_len, "--cache_len")
   new, block = (TINY["new_tokens"], TINY["block_size"]) if args.tiny else (args.new_tokens, args.block_size)
@@ -143,12 +143,12 @@ def compile_target(target, programs, cache_path: str, log=print) -> dict:
   for model, length, fields in programs:
     key = cache_key(target.name, model, fields)
     if key not in cache:
-      from d2f_jax.decode.step_programs import StepShape
+      from d2f_jax.decode.forward_probes import StepShape
       config = preset(model, dtype="bfloat16", param_dtype="bfloat16",
                       attention_impl="xla" if target.platform == "cpu" else "pallas")
       mesh_shape = decode_mesh_shape(config, len(devices))
       log(f"== {model} on {target.name} (mesh {mesh_shape}), cache {length}")
-      compiled = cost_compile.forward_cost(config, StepShape(**fields), sharding.make_mesh(mesh_shape, devices), log)
+      compiled = cost_compile.compiled_forward(config, StepShape(**fields), sharding.make_mesh(mesh_shape, devices), log)
       cache[key] = {"model": model, "cache_len": length, "shape": fields, "mesh": mesh_shape,
                     "device_kind": str(devices[0].device_kind), "compiled": compiled}
       if cache_path:
@@ -178,7 +178,7 @@ def has_compiler(target) -> bool:
 
 def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
   """Accounted and formula costs of every entry, then the two tables per (model, cache length)."""
-  from d2f_jax.decode.step_programs import StepShape
+  from d2f_jax.decode.forward_probes import StepShape
   from d2f_jax.models import preset
   sheet = datasheets.by_name(args.datasheet or SHEETS.get(target.kind, ""))
   rows = [r for r in results.get("rows", []) if r.get("tokens_per_forward")]
@@ -227,7 +227,7 @@ def implausible_group(group: list[dict]) -> str:
   larger batch (more rows never move less), condemns the group's (one compiler's byte model, trusted whole or
   not at all). libtpu passes the first test on some tables and fails the second (v5p-8 Dream-7B, cache 512:
   AR step 5.23 GB at batch 1, 5.15 GB at batch 32)."""
-  from d2f_jax.decode.step_programs import StepShape
+  from d2f_jax.decode.forward_probes import StepShape
   from d2f_jax.models import preset
   reasons, by_program = [], {}
   for e in group:

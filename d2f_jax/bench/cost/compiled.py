@@ -14,7 +14,7 @@ Three things stand between `compiled.cost_analysis()` and a cost per forward, ea
 - In-place cache writes: the forward's KV cache write is a scatter of the window's rows into the donated
   stacked cache, done in place, but the cost analysis counts the whole cache read and written (1 GB per
   LLaDA layer at batch 32, cache 1024, for a 1-token AR step). The write is compiled alone too, at 2 and 3
-  layers, and subtracted; the formula's bytes (the rows written) are added (model.write_cost).
+  layers, and subtracted; the formula's bytes (the rows written) are added (model.cache_write_formula).
 - The embedding gather: the cost analysis charges a gather its whole operand, the embedding table (1.04 GB for
   LLaDA-8B) for a few rows. It is compiled alone (the table sharded as the model's, the forward's token ids)
   and subtracted; the formula's bytes (the rows read and written) are added (model.gather_cost).
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from d2f_jax import kernels
-from d2f_jax.decode.step_programs import StepShape, step_program
+from d2f_jax.decode.forward_probes import StepShape, forward_probe
 from d2f_jax.kernels.sharded import plan_heads
 from d2f_jax.sharding import mesh_layout
 
@@ -98,7 +98,7 @@ def _compile(lowered_fn) -> tuple[object, float]:
 def program_cost(config, shape: StepShape, mesh, layers: int) -> dict:
   """The compiled cost of `shape`'s forward for `config` cut to `layers` layers (scans unrolled)."""
   with unrolled_scans():
-    program = step_program(config.replace(num_layers=layers), shape, mesh=mesh)
+    program = forward_probe(config.replace(num_layers=layers), shape, mesh=mesh)
     compiled, seconds = _compile(program.lower)
   return {**cost_of(compiled), "opaque": opaque_calls(compiled), "compile_s": round(seconds, 2)}
 
@@ -144,7 +144,7 @@ def kernel_cost(config, shape: StepShape, mesh, layers: int = 1) -> dict:
   return {**cost_of(compiled), "opaque": opaque_calls(compiled), "compile_s": round(seconds, 2)}
 
 
-def write_cost(config, shape: StepShape, mesh, layers: int) -> dict:
+def compiled_cache_write(config, shape: StepShape, mesh, layers: int) -> dict:
   """What the compiler counts for a cached forward's KV cache write alone (the window's K/V scattered into the
   donated cache of `layers` layers, sharded as the loop state is)."""
   from d2f_jax.decode.mesh import as_decode_mesh
@@ -190,7 +190,7 @@ def gather_cost(config, shape: StepShape, mesh) -> dict:
   return {**cost_of(compiled), "compile_s": round(seconds, 2)}
 
 
-def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
+def compiled_forward(config, shape: StepShape, mesh, log=print) -> dict:
   """Per-device compiled cost of one forward of the full-depth model: 'flops' / 'bytes' as the compiler counts
   them at FIT_LAYERS layers, extrapolated to config.num_layers, and 'kernel' (per layer: the attention calls'
   count, compiled alone and extrapolated the same way, over num_layers; to be replaced by the formula where
@@ -199,7 +199,7 @@ def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
   lo, hi = FIT_LAYERS
   layers = config.num_layers
   if layers < lo:
-    raise ValueError(f"forward_cost: {layers} layers is below the fitted depths {FIT_LAYERS}; compile it directly")
+    raise ValueError(f"compiled_forward: {layers} layers is below the fitted depths {FIT_LAYERS}; compile it directly")
 
   def line(at_lo: dict, at_hi: dict) -> dict:
     """The count at `layers` on the line through the counts at lo and hi layers."""
@@ -217,7 +217,7 @@ def forward_cost(config, shape: StepShape, mesh, log=print) -> dict:
   else:
     out["kernel"] = {"flops": 0.0, "bytes": 0.0, "opaque": []}
   if shape.kind != "full_step":  # every other forward writes the window's K/V into the cache
-    out["write"] = line(write_cost(config, shape, mesh, lo), write_cost(config, shape, mesh, hi))
+    out["write"] = line(compiled_cache_write(config, shape, mesh, lo), compiled_cache_write(config, shape, mesh, hi))
   out["gather"] = {k: v for k, v in gather_cost(config, shape, mesh).items() if k in ("flops", "bytes")}
   log(f"  {shape.kind} width {shape.width} batch {shape.batch}: compiled in {out['compile_s']:.1f}s"
       f"{' (+ kernel alone ' + str(out['kernel']['compile_s']) + 's)' if out['opaque'] else ''}")

@@ -3,7 +3,7 @@
 Formulas (bf16, per device of a mesh with `tensor` head shards and `data` row shards; b = rows per device):
   attention  FLOPs = 4 b n (c + n) H' D L              (QK^T and PV of n queries over c cached + n window keys)
              bytes = 2 b L (2 c K' D + 2 n H' D + 2 n K' D)   (K/V of c cached tokens, q / out, window k / v)
-  whole      e2e.projection.forward_cost (weights once, n embedding rows, K/V of c cached), FLOPs x b,
+  whole      e2e.projection.roofline_forward (weights once, n embedding rows, K/V of c cached), FLOPs x b,
              per-row bytes x b, both / tensor
   time       max(FLOPs / peak, bytes / HBM bandwidth)  (data sheet; collectives and launch overhead left out)
 H' = H / tensor, K' the kv heads a shard reads (kernels.sharded.plan_heads). c = prompt + half the response
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.forward_probes import StepShape
 from d2f_jax.decode.widths import ms_at_width
 from d2f_jax.e2e import projection
 from d2f_jax.kernels.sharded import plan_heads
@@ -46,14 +46,14 @@ def attention_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, floa
 
 
 def formula_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
-  """The hand-written roofline of one forward (e2e.projection.forward_cost), per device."""
+  """The hand-written roofline of one forward (e2e.projection.roofline_forward), per device."""
   tensor, b = mesh_shape.get("tensor", 1), rows_per_device(shape.batch, mesh_shape.get("data", 1))
-  flops, nbytes = projection.forward_cost(config, shape.tokens, cached_tokens(shape))
+  flops, nbytes = projection.roofline_forward(config, shape.tokens, cached_tokens(shape))
   weights = BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size)
   return {"flops": b * flops / tensor, "bytes": (weights + b * (nbytes - weights)) / tensor}
 
 
-def write_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
+def cache_write_formula(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
   """The formula's bytes of a cached forward's KV cache write, per device: the window's K and V read and
   written into their slots, L x b x n x K_stored x D each (kv heads stay replicated where tensor does not
   divide them, as KVCache.constrain keeps them)."""
@@ -74,7 +74,7 @@ def gather_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
 def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -> dict:
   """The compiled cost with what the compiler cannot count replaced by formulas: opaque attention kernels
   (the program less L x the kernel call compiled alone, + attention_cost), the in-place cache write (less
-  the write compiled alone, + write_cost) and the embedding gather (less the gather compiled alone, +
+  the write compiled alone, + cache_write_formula) and the embedding gather (less the gather compiled alone, +
   gather_cost). Without any of them (XLA attention, no cache, costs of an older version) the count stands.
   Not corrected: a D2F step's two row gathers from its logits (decode/pipeline.py), each counted as the whole
   [b, n, V] array. Harmless to every packaged table (tests/test_bench_cost.py): at the largest compiled batch
@@ -84,7 +84,7 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
     parts.append(("attention formula", {k: config.num_layers * compiled["kernel"][k] for k in ("flops", "bytes")},
                   attention_cost(config, shape, mesh_shape)))
   if compiled.get("write"):
-    parts.append(("cache-write formula", compiled["write"], write_cost(config, shape, mesh_shape)))
+    parts.append(("cache-write formula", compiled["write"], cache_write_formula(config, shape, mesh_shape)))
   if compiled.get("gather"):
     parts.append(("embedding-gather formula", compiled["gather"], gather_cost(config, shape, mesh_shape)))
   out = {"source": " + ".join(["compiled"] + [name for name, _, _ in parts])}
@@ -96,7 +96,7 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
   return out
 
 
-def weight_bytes(config, mesh_shape: dict) -> float:
+def weights_per_device(config, mesh_shape: dict) -> float:
   """Bytes of the layer weights and the head per device: a floor under any forward's traffic (every weight is
   read at least once; replicated parts only raise the real figure)."""
   return BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size) / mesh_shape.get("tensor", 1)
@@ -106,7 +106,7 @@ def implausible_bytes(compiled: dict, accounted: dict, config, mesh_shape: dict)
   """Why a compiler's byte count cannot be HBM traffic (None when it can): negative, or the accounted
   forward moving fewer bytes than its own weights. libtpu's 'bytes accessed' fails this (v5e-8 LLaDA: 1.3 GB
   accounted for a D2F step whose weights are 1.9 GB per device, negative counts on Dream)."""
-  floor = weight_bytes(config, mesh_shape)
+  floor = weights_per_device(config, mesh_shape)
   if compiled["bytes"] < 0:
     return f"the compiler counts {compiled['bytes'] / 1e9:.3g} GB"
   if accounted["bytes"] < floor:

@@ -4,7 +4,7 @@ at each batch, D2F / AR, the crossover batch), every number from one target's co
 from __future__ import annotations
 
 from d2f_jax.bench.cost import model as cm
-from d2f_jax.decode.step_programs import StepShape
+from d2f_jax.decode.forward_probes import StepShape
 
 SOURCES = ("compiled", "formula")
 

@@ -92,7 +92,7 @@ def _step_fn(graphdef, spec: DecodeSpec, layout) -> Callable:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepProgram:
+class ForwardProbe:
   """fn(*args) runs one forward of `shape`: a prefill returns the loop state, a step the next state.
   args are abstract (ShapeDtypeStructs with shardings) for a ModelConfig, concrete for a model."""
 
@@ -106,7 +106,7 @@ class StepProgram:
     return self.fn.lower(*self.args)
 
 
-def step_program(model, shape: StepShape, *, mesh=None, rules=None, prompt=None, key=None) -> StepProgram:
+def forward_probe(model, shape: StepShape, *, mesh=None, rules=None, prompt=None, key=None) -> ForwardProbe:
   """The program of one forward of `shape`.
 
   model: a ModelConfig (abstract weights from it; with `mesh`, sharded by the rules, nothing allocated) or a
@@ -146,12 +146,12 @@ def step_program(model, shape: StepShape, *, mesh=None, rules=None, prompt=None,
                  place(key, rep), jax.tree.map(lambda x: place(x, rep), knobs))
   init = _init_fn(graphdef, spec, layout)
   if shape.kind.endswith("_prefill"):
-    return StepProgram(shape, init, (params, *prompt_args), spec, init)
+    return ForwardProbe(shape, init, (params, *prompt_args), spec, init)
   state_in: Any = (jax.eval_shape(init, params, *prompt_args) if abstract else init(params, *prompt_args))
-  return StepProgram(shape, _step_fn(graphdef, spec, layout), (params, state_in, prompt_args[3]), spec, init)
+  return ForwardProbe(shape, _step_fn(graphdef, spec, layout), (params, state_in, prompt_args[3]), spec, init)
 
 
-def time_ms(program: StepProgram, repeats: int) -> float:
+def time_ms(program: ForwardProbe, repeats: int) -> float:
   """ms per call of a concrete program, after one call that compiles it (not timed). A step's state is
   carried from call to call (donated: the cache is updated in place, as in the loop); a prefill is rerun."""
   if program.shape.kind.endswith("_prefill"):
