@@ -110,14 +110,19 @@ def parse_args(argv):
   p.add_argument("--repeats", type=int, default=5,
                  help="timed runs of each side, alternating; the best of each reported")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
+  p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                 help="only: drive the real server with mixed, hostile traffic for MINUTES (bench/serve_soak.py)")
   p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
   p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")
   p.add_argument("--json", default=None,
                  help="where the report is written (default results/bench_serve.json, with --versus ar "
                       "results/bench_serve_versus_ar.json)")
   args = p.parse_args(argv)
+  if args.soak is not None and not args.soak > 0:
+    p.error(f"--soak must be a positive number of minutes, got {args.soak}")
   if args.json is None:
-    args.json = "results/bench_serve_versus_ar.json" if args.versus else "results/bench_serve.json"
+    args.json = ("results/bench_serve_versus_ar.json" if args.versus else
+                 "results/bench_serve_soak.json" if args.soak else "results/bench_serve.json")
   return args
 
 
@@ -133,6 +138,15 @@ def main(argv: list[str]) -> None:
   tau_add, tau_act, tau_conf = c.d2f_sweep[0]
   config = DecodeConfig(method="d2f", block_size=decode_block_size(c), max_new_tokens=c.max_new_tokens,
                         tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=args.prompt_bucket)
+  if args.soak is not None:
+    from d2f_jax.bench import serve_soak
+    report = serve_soak.run(os.path.join(args.workdir, "student", "hf"), prompts, config, args.soak,
+                            slots=max(args.slots), log_path=os.path.join("results", "bench_serve_soak.log"))
+    write_report(args.json, "serve_soak", [serve_soak.summary_row(report)], soak=report)
+    if report["unexpected"] or report["server exit"] != 0:
+      raise SystemExit(f"the soak saw unexpected outcomes or an unclean exit: {report['unexpected']}, "
+                       f"exit {report['server exit']}")
+    return
   rows, seconds = [], {}
   for slots in args.slots:
     static, batches = static_batches(model, prompts, config, slots)
