@@ -104,10 +104,13 @@ def test_the_decode_block_is_apart_from_the_training_block():
   config = pipeline.stage_config(c, objective="distill", data_path="d", tokenizer_dir="t", steps=4, lr=1e-3, warmup=1)
   assert config.block_size == 16  # distilled at the authors' training block ...
   rows = evaluation.decode_rows(c, {"teacher": None, "student": None, "ar": None})
-  modes = [dc for _, _, settings, dc in rows if "block=" in settings or " q=" in settings]
+  modes = [dc for _, _, settings, dc in rows if "block=" in settings or " q=" in settings or "cached" in settings]
   assert {(dc.block_size, dc.max_new_tokens) for _, _, _, dc in rows if dc not in modes} == {(32, 256)}  # theirs
-  # ... and the throughput-mode rows: sub-blocks of 8 / 4 at block 32, the training block 16 with and without.
-  assert [(dc.block_size, dc.query_limit) for dc in modes] == [(32, 8), (32, 4), (16, None), (16, 4)]
+  # ... and the throughput-mode rows: sub-blocks of 8 / 4 at block 32, the training block 16 with and without,
+  # the cache of decided positions alone and with sub-blocks of 8 / 4.
+  assert [(dc.block_size, dc.query_limit, dc.cache_decided) for dc in modes] == [
+      (32, 8, False), (32, 4, False), (16, None, False), (16, 4, False), (32, None, True), (32, 8, True),
+      (32, 4, True)]
   assert all((dc.tau_add, dc.tau_act, dc.tau_conf) == (0.1, 0.95, 0.9) for dc in modes)
   default = _config(None)
   assert default.decode_block_size is None
@@ -158,7 +161,7 @@ def test_long_smoke_run_trains_at_block_16_and_decodes_at_block_32(tmp_path):
   done = json.loads((tmp_path / "student" / "stage_done.json").read_text())
   assert done["config"]["block_size"] == 16 and done["config"]["data_source.task.style"] == "verbose"
   rows = payload["rows"]
-  assert [r["method"] for r in rows] == ["vanilla", "dream_vanilla", "threshold", "d2f", "d2f", "d2f", "d2f", "ar"]
+  assert [r["method"] for r in rows] == ["vanilla", "dream_vanilla", "threshold"] + ["d2f"] * 5 + ["ar"]
   for row in rows:
     block = 16 if "block=16" in row["settings"] else 32  # the throughput mode at the training block
     assert (row["decode"]["block_size"], row["decode"]["max_new_tokens"]) == (block, 64)  # 256 outside the smoke
@@ -168,6 +171,8 @@ def test_long_smoke_run_trains_at_block_16_and_decodes_at_block_32(tmp_path):
       assert 0 < row["mean_window_positions"] <= row["mean_window_blocks"] * block
   q4 = [r for r in rows if r["settings"].endswith(" q=4")]
   assert [r["decode"]["query_limit"] for r in q4] == [4, 4] and all("ceiling_vs_ar" in r for r in q4)
+  cached = [r for r in rows if r["settings"].endswith(" q=4 cached")]
+  assert len(cached) == 1 and cached[0]["decode"]["cache_decided"] and "ceiling_vs_ar" in cached[0]
   assert payload["ceiling"]["prompt_width"] == 64  # the bucket of the mean prompt (about 53 tokens)
   markdown = (tmp_path / "results.md").read_text()
   assert "block 32 (distilled at block 16), at most 64 new tokens." in markdown

@@ -255,6 +255,27 @@ def test_a_failing_engine_ends_every_request_and_says_why(monkeypatch):
     engine.submit(PROMPTS[0])
 
 
+def test_abort_ends_every_request_at_once_and_ends_a_shutdowns_grace():
+  """A server's second signal: a shutdown waiting out a long grace returns once abort() is called, every
+  queued and decoding request ending with finish_reason 'cancelled' (the server's 'abort') or its full answer."""
+  import threading
+  import time
+  engine = Engine(sharp_model("llada"), ENGINE)
+  engine.warm_up()
+  finished = {}
+  for i, prompt in enumerate(PROMPTS * 4):  # four times the slots: most wait in the queue
+    engine.submit(prompt, RequestSettings(), lambda e, i=i: e.finished and finished.setdefault(i, e.finish_reason))
+  engine.start()
+  stopper = threading.Thread(target=engine.shutdown, kwargs={"grace_s": 600.0})
+  stopper.start()
+  engine.abort()
+  start = time.monotonic()
+  stopper.join(timeout=300)
+  assert not stopper.is_alive() and time.monotonic() - start < 300, "the grace was waited out"
+  assert len(finished) == len(PROMPTS) * 4 and "cancelled" in finished.values(), finished
+  assert set(finished.values()) <= {"cancelled", "stop", "length"}
+
+
 def test_admission_counts_are_compiled_sizes_without_padding():
   from d2f_jax.serve.config import split_admissions
   assert EngineConfig(slots=32, max_insert=8).insert_sizes == (1, 2, 4, 8)

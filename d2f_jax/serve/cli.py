@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import threading
 
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                                   timeout_graceful_shutdown=int(args.grace_s) + 5)
   server = _make_draining_server()(uvicorn_config, app, engine, args.grace_s)
   log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+  # uvicorn restores these when it stops listening: a signal during the teardown after it (joining the engine)
+  # must not kill a process that is already exiting cleanly.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda number, _: log.info("signal %d: already exiting", number))
   server.run(sockets=[sock])
   return 0
 
