@@ -1,11 +1,11 @@
-"""`bench serve --versus ar` (d2f_jax/bench/serve_versus.py): every engine's answers checked against batch-1
+"""`bench serve --versus ar` (d2f_jax/bench/serve/versus.py): every engine's answers checked against batch-1
 decodes in its own mode, the rows' counts consistent with what the engines decoded."""
 
 import argparse
 
 import ml_collections
 
-from d2f_jax.bench import serve_versus
+from d2f_jax.bench.serve import versus as serve_versus
 from d2f_jax.decode import DecodeConfig
 from test_decode import sharp_model
 

@@ -379,5 +379,7 @@ def test_sigterm_drains_a_second_signal_aborts_the_rest_and_the_process_exits_ze
         continue
       assert done and (reason == "abort" and texts[prompt].startswith(text) or text == texts[prompt]), (prompt, got)
   log = server.log.read_text()
-  assert "draining" in log and "again: ending every request" in log, log
+  # The second signal either found requests to end (abort) or the server already exiting (all were done):
+  # which one depends on how fast the tiny model answered; both must end in exit 0 with every response whole.
+  assert "draining" in log and ("again: ending every request" in log or "already exiting" in log), log
   assert "Traceback" not in log and "terminate called" not in log, log

@@ -1,6 +1,6 @@
 """Serving benchmark on the miniature's D2F student: the continuous-batching engine against `generate` in static
 batches of the same size, side by side in one run, outputs checked identical; then (`--load`) an open-loop load
-test against the real server (bench/serve_load.py).
+test against the real server (bench/serve/load.py).
 
   python -m d2f_jax.main                      # trains the student into workdir/tiny_e2e (once)
   python -m d2f_jax.bench serve [--slots 8,32] [--limit 256] [--load]
@@ -98,7 +98,7 @@ def parse_args(argv):
   p.add_argument("--config", default=DEFAULT_CONFIG,
                  help="the main job's config, as `python -m d2f_jax.main` took it (e.g. configs/tiny_e2e.py:long)")
   p.add_argument("--versus", default=None, choices=("ar",),
-                 help="ar: the D2F engine in each throughput mode against the AR engine (bench/serve_versus.py)")
+                 help="ar: the D2F engine in each throughput mode against the AR engine (bench/serve/versus.py)")
   p.add_argument("--query_limits", type=_sizes, default=None,
                  help="--versus: the D2F modes' query limits (default: the config's mode_sweep at the decode block)")
   p.add_argument("--slots", type=_sizes, default="8,32", help="engine slots = static batch sizes, comma-separated")
@@ -111,7 +111,7 @@ def parse_args(argv):
                  help="timed runs of each side, alternating; the best of each reported")
   p.add_argument("--load", action="store_true", help="also run the open-loop load test against the real server")
   p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
-                 help="only: drive the real server with mixed, hostile traffic for MINUTES (bench/serve_soak.py)")
+                 help="only: drive the real server with mixed, hostile traffic for MINUTES (bench/serve/soak.py)")
   p.add_argument("--rates", type=_rates, default="4,16,64", help="--load: offered requests per second")
   p.add_argument("--requests", type=int, default=128, help="--load: requests per rate")
   p.add_argument("--json", default=None,
@@ -129,8 +129,8 @@ def parse_args(argv):
 def main(argv: list[str]) -> None:
   args = parse_args(argv)
   if args.versus is not None:
-    from d2f_jax.bench import serve_versus
-    return serve_versus.main(args)
+    from d2f_jax.bench.serve import versus
+    return versus.main(args)
   from d2f_jax.decode import DecodeConfig
   from d2f_jax.e2e.evaluation import decode_block_size
   model, c = load_student(args.workdir, args.config)
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> None:
   config = DecodeConfig(method="d2f", block_size=decode_block_size(c), max_new_tokens=c.max_new_tokens,
                         tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, prompt_buckets=args.prompt_bucket)
   if args.soak is not None:
-    from d2f_jax.bench import serve_soak
+    from d2f_jax.bench.serve import soak as serve_soak
     report = serve_soak.run(os.path.join(args.workdir, "student", "hf"), prompts, config, args.soak,
                             slots=max(args.slots), log_path=os.path.join("results", "bench_serve_soak.log"))
     write_report(args.json, "serve_soak", [serve_soak.summary_row(report)], soak=report)
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> None:
                             steps_per_call=args.steps_per_call, max_insert=args.max_insert, repeats=args.repeats,
                             timing="best of the repeats, static and engine alternating"), "seconds": seconds}
   if args.load:
-    from d2f_jax.bench import serve_load
+    from d2f_jax.bench.serve import load as serve_load
     extra["load"] = serve_load.run(os.path.join(args.workdir, "student", "hf"), prompts, config,
                                    slots=max(args.slots), rates=args.rates, count=args.requests)
   write_report(args.json, "serve", rows, **extra)

@@ -127,7 +127,7 @@ def summary_row(report: dict) -> dict:
 def run(model_dir: str, prompts: list[list[int]], config, minutes: float, slots: int, log_path: str) -> dict:
   """The soak against one server process, stopped with SIGTERM afterwards (its exit status is reported)."""
   import subprocess
-  from d2f_jax.bench.serve_load import start_server
+  from d2f_jax.bench.serve.load import start_server
   proc, url = start_server(model_dir, config, slots, max(map(len, prompts)), log_path)
   try:
     report = soak(url, proc.pid, prompts, minutes)
