@@ -32,15 +32,15 @@ def measure(workdir: str, limit: int = HELD_OUT) -> list[dict] | None:
     return None
   import d2f_jax
   from d2f_jax.decode import DecodeConfig
-  from d2f_jax.e2e.evaluation import interleaved_timing
+  from d2f_jax.e2e.evaluation import decode_block_size, interleaved_timing
   from d2f_jax.evals.runner import encode_prompts
   from d2f_jax.tasks.arithmetic import ArithmeticTask
   c = _config(workdir)
   task = c["task"]
   items = ArithmeticTask(seed=c["seed"], train=task["train"], test=task["test"], min_steps=task["min_steps"],
-                         max_steps=task["max_steps"]).load(limit)
+                         max_steps=task["max_steps"], style=task.get("style", "terse")).load(limit)
   tau_add, tau_act, tau_conf = c["d2f_sweep"][0]
-  common = dict(block_size=c["block_size"], max_new_tokens=c["max_new_tokens"], prompt_buckets=64)
+  common = dict(block_size=decode_block_size(c), max_new_tokens=c["max_new_tokens"], prompt_buckets=64)
   models = {"d2f": d2f_jax.load_model(student), "ar": d2f_jax.load_model(ar)}
   configs = {"d2f": DecodeConfig(method="d2f", tau_add=tau_add, tau_act=tau_act, tau_conf=tau_conf, **common),
              "ar": DecodeConfig(method="ar", **common)}
