@@ -15,20 +15,7 @@ from d2f_jax.serve.answers import Inbox, answer
 from d2f_jax.serve.guards import check_prompt_chars, longest_token_chars
 from d2f_jax.serve.protocol import BadRequest, CompletionRequest, Plan, plan
 from d2f_jax.serve.server import create_app
-
-
-class _Engine:
-  """Refuses every submit with `refuse` (the routes' checks all run before it)."""
-
-  def __init__(self, refuse=None):
-    self.refuse, self.cancelled = refuse or QueueFull("9 waiting"), []
-    self.config = types.SimpleNamespace(slots=1, block_size=4, max_new_tokens=16, max_prompt_len=8)
-
-  def submit(self, *args, **kwargs):
-    raise self.refuse
-
-  def cancel(self, request_id):
-    self.cancelled.append(request_id)
+from test_serve_server import _FakeEngine, _Words
 
 
 class _Tokenizer:
@@ -49,7 +36,9 @@ def _request(app, method, path, **kw):
 def _app(tokenizer=None, **kw):
   model = types.SimpleNamespace(config=TINY_DREAM, tokenizer=tokenizer, encode=lambda text: [1, 2],
                                 decode=lambda ids: " ".join(f"w{i}" for i in ids))
-  return create_app(_Engine(), model, "tiny", **kw)
+  engine = _FakeEngine(QueueFull("9 waiting"))  # every route's checks run before submit refuses
+  engine.config.max_prompt_len = 8
+  return create_app(engine, model, "tiny", **kw)
 
 
 def test_405_names_the_allowed_methods_and_413_refuses_a_body_over_the_limit():
@@ -98,18 +87,13 @@ def test_stop_token_ids_are_counted_apart_from_the_models_own():
   assert error.value.param == "stop_token_ids"
 
 
-class _Words:
-  def decode(self, ids):
-    return " ".join(f"w{i}" for i in ids)
-
-
 def test_completion_tokens_of_a_stop_string_answer_do_not_depend_on_when_it_was_noticed():
   """The stop string 'w9' comes with the 3rd token: 3 completion tokens, whether the engine settled 3, 4 or 8
   tokens by the time it was seen (load decides that)."""
   plan_ = Plan(settings=None, max_tokens=16, stop_ids=frozenset({501}), stop_strings=("w9",))
 
   async def run(chunks):
-    engine, inbox = _Engine(), Inbox()
+    engine, inbox = _FakeEngine(), Inbox()
     for i, ids in enumerate(chunks):
       inbox.queue.put_nowait(Event("r", ids, i == len(chunks) - 1, None, 3, 0, 0))
     return [piece async for piece in answer(engine, _Words(), "r", inbox, plan_)]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from d2f_jax.kernels import visible_length
 from d2f_jax.models.attention import PAD_ID
 from d2f_jax.models.config import ModelConfig
 from d2f_jax.sharding.layout import MeshLayout, current_layout
@@ -80,8 +81,7 @@ class KVCache:
     slots below `length` only, reach K/V kept past the appended prefix (`put`)."""
     rows = jnp.arange(slots.shape[0])[:, None]
     ids = self.ids.at[rows, jnp.where(slots < self.max_len, slots, self.max_len)].set(PAD_ID, mode="drop")
-    visible = jnp.arange(1, self.max_len + 1, dtype=jnp.int32)[None, :]
-    return self.replace(ids=ids, length=jnp.max(jnp.where(ids != PAD_ID, visible, 0), axis=1).astype(jnp.int32))
+    return self.replace(ids=ids, length=visible_length(ids).astype(jnp.int32))
 
 
 def cache_specs(layout: MeshLayout, batch: int, num_kv_heads: int) -> KVCache:

@@ -45,15 +45,20 @@ class BackgroundLoop:
         request.callback(Event(request.id, [], True, "error", int(request.prompt.size), request.emitted, 0,
                                Completion(tokens=[], forwards=0, trace=[], finish_reason="error", stats={})))
 
+  def _cancel_all(self) -> None:
+    """Mark every queued and decoding request cancelled (the next round ends them) and wake the thread; the
+    caller holds the lock."""
+    self._cancelled.update(r.id for r in self.queue)
+    self._cancelled.update(r.id for r in self.slots if r is not None)
+    self._lock.notify_all()
+
   def abort(self) -> None:
     """End every queued and decoding request at the engine's next round (finish_reason 'cancelled', the
     server's 'abort'), admit nothing more, and end a shutdown's grace now: a server's second signal."""
     with self._lock:
       self._admitting = False
       self._stop_now.set()
-      self._cancelled.update(r.id for r in self.queue)
-      self._cancelled.update(r.id for r in self.slots if r is not None)
-      self._lock.notify_all()
+      self._cancel_all()
 
   def shutdown(self, grace_s: float = 30.0) -> None:
     """Admit nothing new; let queued and decoding requests finish for up to `grace_s`, then cancel the rest."""
@@ -65,9 +70,7 @@ class BackgroundLoop:
            and not self._stop_now.is_set()):
       self._thread.join(timeout=0.05)
     with self._lock:
-      self._cancelled.update(r.id for r in self.queue)
-      self._cancelled.update(r.id for r in self.slots if r is not None)
-      self._lock.notify_all()
+      self._cancel_all()
     if self._thread is not None:
       self._thread.join()
     elif self.busy:
