@@ -2,10 +2,12 @@
 position catches damage orbax cannot see (the step is moved aside and the previous one resumed), a data
 position of the wrong form is damage too, and a full disk is one error naming the path and errno."""
 
+import asyncio
 import errno
 import logging
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -89,12 +91,30 @@ def _disk_full(monkeypatch):
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full)
 
 
-def test_a_full_disk_during_a_save_is_one_error_naming_path_and_errno(tmp_path, monkeypatch, capsys):
-  """The CLI (in process): one `error:` line with the path and ENOSPC, exit 2, no partial checkpoint left."""
+def _disk_full_while_a_sibling_still_writes(monkeypatch, seconds=3.0):
+  """The data item fails at once while the digest item is still writing (as the arrays' writes may be when
+  orbax reports the first failure): it creates its directory seconds later, after the error surfaced."""
+  written = threading.Event()
+
+  async def uneven(self, x, directory):
+    if "digest" not in str(directory):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+    await asyncio.sleep(seconds)
+    os.makedirs(directory, exist_ok=True)
+    (directory / "metadata").write_text("{}")
+    written.set()
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", uneven)
+  return written
+
+
+@pytest.mark.parametrize("failure", [_disk_full, _disk_full_while_a_sibling_still_writes])
+def test_a_full_disk_during_a_save_is_one_error_naming_path_and_errno(failure, tmp_path, monkeypatch, capsys):
+  """The CLI (in process): one `error:` line with the path and ENOSPC, exit 2, no partial checkpoint left,
+  also when another item of the save is still writing as the failure surfaces (a CI run caught that race)."""
   from types import SimpleNamespace
   from d2f_jax import distill
   workdir = tmp_path / "run"
-  _disk_full(monkeypatch)
+  sibling_written = failure(monkeypatch)
   monkeypatch.setattr(distill, "_CONFIG", SimpleNamespace(value=tiny_config(total_steps=2)))
   monkeypatch.setattr(distill, "_WORKDIR", SimpleNamespace(value=str(workdir)))
   with pytest.raises(SystemExit) as exit_info:
@@ -105,6 +125,8 @@ def test_a_full_disk_during_a_save_is_one_error_naming_path_and_errno(tmp_path, 
   assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
   assert f"{workdir}/checkpoints" in lines[0] and "[Errno 28 ENOSPC] No space left on device" in lines[0], lines
   assert "1.orbax-checkpoint-tmp" in lines[0], lines  # the path that could not be written
+  if sibling_written is not None:  # look once the late writer is done: it must not have brought the directory back
+    assert sibling_written.wait(timeout=60)
   assert not [p for p in os.listdir(workdir / "checkpoints") if "orbax-checkpoint-tmp" in p]
   assert not os.path.exists(workdir / ".d2f_jax.lock")
 

@@ -194,12 +194,34 @@ class Checkpointer:
           "rerun to resume") from e
 
   def _remove_partial(self) -> list[str]:
+    """Remove the partial directories once nothing writes into them any more: orbax's async writer waits on
+    its item writes in order and reports the first failure while later ones (the arrays) may still be
+    creating files, which would bring a removed directory back."""
+    self._finish_pending_writes()
     if jax.process_index() != 0:
       return []
-    partial = sorted(glob.glob(os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")))
+    pattern = os.path.join(glob.escape(self.directory), "*.orbax-checkpoint-tmp*")
+    partial = sorted(glob.glob(pattern))
     for path in partial:
       shutil.rmtree(path, ignore_errors=True)
+    left = glob.glob(pattern)
+    if left:
+      raise CheckpointWriteError(f"cannot remove the partial checkpoint directories {', '.join(left)} in "
+                                 f"{self.directory}: remove them by hand before rerunning")
     return partial
+
+  def _finish_pending_writes(self, timeout_s: float = 300.0) -> None:
+    """Wait for the last async save's item writes that are still running after one of them failed (their
+    own errors are the same failure, already being reported). The futures are orbax's private state: when a
+    version of orbax keeps them elsewhere there is nothing to wait on and the check in _remove_partial
+    still refuses to leave a partial directory behind silently."""
+    async_manager = getattr(getattr(self.manager, "_checkpointer", None), "_async_manager", None)
+    deadline = time.monotonic() + timeout_s
+    for pending in list(getattr(async_manager, "_commit_futures", None) or ()):
+      try:
+        pending.result(timeout=max(0.0, deadline - time.monotonic()))
+      except Exception:  # noqa: BLE001 - a sibling's failure; the first one is the error reported
+        pass
 
   def restore(self, step: int, abstract: TrainState) -> tuple[TrainState, dict]:
     """(state laid out like `abstract`'s shardings, data position) of checkpoint `step`, checked against the
