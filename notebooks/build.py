@@ -153,7 +153,7 @@ def quickstart() -> nbformat.NotebookNode:
       """),
       code("""
       config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=64, tau_add=0.25, tau_act=0.75,
-                            tau_conf=0.9, stop_tokens=())
+                            tau_conf=0.9, stop_ids=())
       result = generate(model, [prompt], config)
       tokens = result.to_lists()[0]
       forwards = int(result.forwards[0])
@@ -330,7 +330,7 @@ def distill_tiny() -> nbformat.NotebookNode:
       make a fast student; the point is that the exported artefact round-trips.)
       """),
       code("""
-      decode = DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=32, stop_tokens=())
+      decode = DecodeConfig(method="d2f", block_size=config.block_size, max_new_tokens=32, stop_ids=())
       prompt = student.encode("w5 w6 w7 w8")
       for name, m in (("teacher", teacher), ("student", student)):
           r = generate(m, [prompt], decode)
@@ -397,7 +397,7 @@ def pipeline_visualisation() -> nbformat.NotebookNode:
       """),
       code("""
       config = DecodeConfig(method="d2f", block_size=8, max_new_tokens=48, max_blocks_in_flight=3,
-                            tau_add=0.25, tau_act=0.75, tau_conf=0.9, stop_tokens=())
+                            tau_add=0.25, tau_act=0.75, tau_conf=0.9, stop_ids=())
       result = generate(model, [prompt], config)
       trace = np.asarray(result.trace[0])
       tokens = np.asarray(result.tokens[0])

@@ -97,7 +97,7 @@ def _finish(response: np.ndarray, trace: np.ndarray, stops, pad_id: int, forward
 
 
 def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_add, tau_act, tau_conf,
-        stop_tokens, query_limit=None, position_budget=None) -> dict:
+        stop_ids, query_limit=None, position_budget=None) -> dict:
   """D2F pipelined decoding (spec section 4) with full block-causal recompute every step.
   max_blocks_in_flight: None = no cap (the authors' loop). query_limit: a block in flight feeds its decided
   positions and only its first `query_limit` masks (DecodeConfig.query_limit); the forward then holds the
@@ -174,18 +174,18 @@ def d2f(model, prompt, *, block_size, max_new_tokens, max_blocks_in_flight, tau_
       seq[i] = tok
       trace[i - p] = step
       # 4. a stop token ends appending
-      eos = eos or tok in stop_tokens
+      eos = eos or tok in stop_ids
     max_accepted = max(max_accepted, len(accepted))
     # 5. finished blocks freeze in order, only after every earlier block
     for j, s in enumerate(states):
       if s == "active" and decoded(j) == bs and all(t != "active" for t in states[:j]):
         states[j] = "to_cache"
-  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, forwards, max_in_flight=max_in_flight,
+  return _finish(seq[p:], trace, stop_ids, cfg.pad_token_id, forwards, max_in_flight=max_in_flight,
                  semi_steps=semi_steps, max_accepted=max_accepted, in_flight_sum=in_flight_sum,
                  window_sum=window_sum)
 
 
-def llada_vanilla(model, prompt, *, block_size, max_new_tokens, steps, stop_tokens) -> dict:
+def llada_vanilla(model, prompt, *, block_size, max_new_tokens, steps, stop_ids) -> dict:
   """LLaDA semi-autoregressive low-confidence remasking: bidirectional, fixed steps per block."""
   cfg = model.config
   p = len(prompt)
@@ -205,10 +205,10 @@ def llada_vanilla(model, prompt, *, block_size, max_new_tokens, steps, stop_toke
       for i in sorted(masked, key=lambda i: (-conf[i], i))[:k]:
         seq[i] = int(np.argmax(probs[i]))
         trace[i - p] = forwards - 1
-  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, forwards)
+  return _finish(seq[p:], trace, stop_ids, cfg.pad_token_id, forwards)
 
 
-def dream_vanilla(model, prompt, *, max_new_tokens, steps, alg, stop_tokens) -> dict:
+def dream_vanilla(model, prompt, *, max_new_tokens, steps, alg, stop_ids) -> dict:
   """Dream's diffusion decoding over the whole response, ordered by confidence / margin / -entropy."""
   cfg = model.config
   p = len(prompt)
@@ -232,18 +232,18 @@ def dream_vanilla(model, prompt, *, max_new_tokens, steps, alg, stop_tokens) -> 
     for j in sorted(masked, key=lambda j: (-score[j], j))[:k]:
       seq[j] = int(np.argmax(probs[j]))
       trace[j - p] = i
-  return _finish(seq[p:], trace, stop_tokens, cfg.pad_token_id, steps)
+  return _finish(seq[p:], trace, stop_ids, cfg.pad_token_id, steps)
 
 
-def causal_greedy(model, prompt, *, max_new_tokens, stop_tokens) -> dict:
+def causal_greedy(model, prompt, *, max_new_tokens, stop_ids) -> dict:
   """Greedy next-token decoding recomputing the causal model over the whole sequence every token."""
   cfg = model.config
   seq = list(prompt)
   for _ in range(max_new_tokens):
     logits = _logits(model, np.array(seq), "causal", align=False)
     seq.append(int(np.argmax(logits[-1])))
-    if seq[-1] in stop_tokens:
+    if seq[-1] in stop_ids:
       break
   response = np.array(seq[len(prompt):] + [cfg.pad_token_id] * (max_new_tokens - len(seq) + len(prompt)))
   trace = np.where(np.arange(max_new_tokens) < len(seq) - len(prompt), np.arange(max_new_tokens), -1)
-  return _finish(response, trace, stop_tokens, cfg.pad_token_id, len(seq) - len(prompt))
+  return _finish(response, trace, stop_ids, cfg.pad_token_id, len(seq) - len(prompt))

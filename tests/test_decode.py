@@ -30,14 +30,14 @@ def sharp_model(family: str) -> Model:
 
 def _stops(model, config):
   c = model.config
-  return set(config.stop_tokens) if config.stop_tokens is not None else {c.eos_token_id, c.eot_token_id}
+  return set(config.stop_ids) if config.stop_ids is not None else {c.eos_token_id, c.eot_token_id}
 
 
 def d2f_reference(model, prompt, config):
   run = config.effective()
   return ref.d2f(model, prompt, block_size=run.block_size, max_new_tokens=run.max_new_tokens,
                  max_blocks_in_flight=run.max_blocks_in_flight, tau_add=run.tau_add, tau_act=run.tau_act,
-                 tau_conf=run.tau_conf, stop_tokens=_stops(model, run))
+                 tau_conf=run.tau_conf, stop_ids=_stops(model, run))
 
 
 def assert_rows_match(result, expected, prompts, *, stats=True):
@@ -72,7 +72,7 @@ def test_d2f_matches_reference_other_shapes(family):
   """Block 8, a longer response, a tight in-flight bound (tau_add 0 keeps it binding), full length."""
   model = sharp_model(family)
   config = DecodeConfig(block_size=8, max_new_tokens=24, max_blocks_in_flight=2, tau_conf=0.6, tau_add=0.0,
-                        tau_act=0.5, stop_tokens=(), prompt_buckets=16)
+                        tau_act=0.5, stop_ids=(), prompt_buckets=16)
   result = generate(model, PROMPTS, config)
   assert_rows_match(result, [d2f_reference(model, p, config) for p in PROMPTS], PROMPTS)
   np.testing.assert_array_equal(np.asarray(result.lengths), 24)  # max length reached
@@ -92,9 +92,9 @@ def test_stop_token_in_first_block(family):
   """A stop token accepted in block 0 ends appending; the rest is padding; trace shows unappended blocks."""
   model = sharp_model(family)
   config = BASE.replace(tau_conf=0.9, tau_add=0.5, tau_act=0.95)
-  free = d2f_reference(model, PROMPTS[0], config.replace(stop_tokens=()))
+  free = d2f_reference(model, PROMPTS[0], config.replace(stop_ids=()))
   stop = int(free["tokens"][1])  # make what the model writes at response position 1 the stop token
-  config = config.replace(stop_tokens=(stop,))
+  config = config.replace(stop_ids=(stop,))
   result = generate(model, PROMPTS, config)
   expected = [d2f_reference(model, p, config) for p in PROMPTS]
   assert_rows_match(result, expected, PROMPTS)
@@ -124,7 +124,7 @@ def test_no_recompile_within_a_prompt_bucket():
   generate(model, PROMPTS, BASE)
   before = trace_count("loop")
   other = [[5] * 16, [7, 8], [9] * 13]  # other lengths, same bucket of 16
-  generate(model, other, BASE.replace(tau_conf=0.3, tau_add=0.6, tau_act=0.2, stop_tokens=(5, 6)))
+  generate(model, other, BASE.replace(tau_conf=0.3, tau_add=0.6, tau_act=0.2, stop_ids=(5, 6)))
   generate(model, np.asarray([[1, 2, 3, 4]] * 3), BASE, mask=np.asarray([[0, 1, 1, 1]] * 3))
   assert trace_count("loop") == before
   generate(model, [[1] * 17, [2], [3]], BASE)  # next bucket (32): one new program
@@ -148,7 +148,7 @@ def test_llada_vanilla_matches_reference():
   config = DecodeConfig(method="vanilla", block_size=4, max_new_tokens=16, steps=12, prompt_buckets=16)
   result = generate(model, PROMPTS, config)
   expected = [ref.llada_vanilla(model, p, block_size=4, max_new_tokens=16, steps=12,
-                                stop_tokens=_stops(model, config)) for p in PROMPTS]
+                                stop_ids=_stops(model, config)) for p in PROMPTS]
   assert_rows_match(result, expected, PROMPTS, stats=False)
 
 
@@ -158,7 +158,7 @@ def test_dream_vanilla_matches_reference(alg):
   config = DecodeConfig(method="dream_vanilla", block_size=4, max_new_tokens=16, steps=6, alg=alg,
                         prompt_buckets=16)
   result = generate(model, PROMPTS, config)
-  expected = [ref.dream_vanilla(model, p, max_new_tokens=16, steps=6, alg=alg, stop_tokens=_stops(model, config))
+  expected = [ref.dream_vanilla(model, p, max_new_tokens=16, steps=6, alg=alg, stop_ids=_stops(model, config))
               for p in PROMPTS]
   assert_rows_match(result, expected, PROMPTS, stats=False)
 
@@ -166,11 +166,11 @@ def test_dream_vanilla_matches_reference(alg):
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_cached_ar_matches_causal_recompute(family):
   model = sharp_model(family)
-  free = ref.causal_greedy(model, PROMPTS[1], max_new_tokens=12, stop_tokens=set())
+  free = ref.causal_greedy(model, PROMPTS[1], max_new_tokens=12, stop_ids=set())
   stops = (int(free["tokens"][4]),)  # row 1 stops early, the others when (if) they meet it
-  config = DecodeConfig(method="ar", block_size=1, max_new_tokens=12, stop_tokens=stops, prompt_buckets=16)
+  config = DecodeConfig(method="ar", block_size=1, max_new_tokens=12, stop_ids=stops, prompt_buckets=16)
   result = generate(model, PROMPTS, config)
-  expected = [ref.causal_greedy(model, p, max_new_tokens=12, stop_tokens=set(stops)) for p in PROMPTS]
+  expected = [ref.causal_greedy(model, p, max_new_tokens=12, stop_ids=set(stops)) for p in PROMPTS]
   assert_rows_match(result, expected, PROMPTS, stats=False)
   assert int(result.lengths[1]) <= 5
 
@@ -263,6 +263,6 @@ def test_config_and_prompt_errors():
   with pytest.raises(ValueError, match="largest prompt bucket"):
     generate(model, [[1] * 9], BASE.replace(prompt_buckets=(4, 8)))
   with pytest.raises(ValueError, match="vocabulary"):
-    generate(model, [[1]], BASE.replace(stop_tokens=(600,)))
+    generate(model, [[1]], BASE.replace(stop_ids=(600,)))
   with pytest.raises(TypeError, match="graphdef"):
     generate(object(), [[1]], BASE)

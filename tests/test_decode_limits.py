@@ -98,7 +98,7 @@ def test_every_refused_decode_option_is_one_error_line_and_status_2(tmp_path, ca
   path = str(write_hf_checkpoint(tmp_path / "hf", TINY_LLADA, seed=0, dtype="float32"))
   for main, argv, match in (
       (cli.main, ["--model", path, "--prompt_ids", "1", "--block_size", "3"], "bad decoding option"),
-      (cli.main, ["--model", path, "--prompt_ids", "1", "--stop_tokens", "a"], "--stop_tokens must be"),
+      (cli.main, ["--model", path, "--prompt_ids", "1", "--stop_ids", "a"], "--stop_ids must be"),
       (cli.main, ["--model", path, "--prompt_ids", "1", "--mesh", "model=2"], "--mesh 'model=2'"),
       (evaluate.main, ["--model", path, "--task", "gsm8k", "--limit", "0"], "--limit must be a positive int"),
       (evaluate.main, ["--model", path, "--task", "arithmetic", "--method", "ar", "--limit", "1"], "does not fit")):

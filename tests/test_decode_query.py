@@ -17,7 +17,7 @@ def query_reference(model, prompt, config):
   run = config.effective()
   return ref.d2f(model, prompt, block_size=run.block_size, max_new_tokens=run.max_new_tokens,
                  max_blocks_in_flight=run.max_blocks_in_flight, tau_add=run.tau_add, tau_act=run.tau_act,
-                 tau_conf=run.tau_conf, stop_tokens=_stops(model, run), query_limit=run.query_limit)
+                 tau_conf=run.tau_conf, stop_ids=_stops(model, run), query_limit=run.query_limit)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -104,7 +104,7 @@ def budget_reference(model, prompt, config):
   run = config.effective()
   return ref.d2f(model, prompt, block_size=run.block_size, max_new_tokens=run.max_new_tokens,
                  max_blocks_in_flight=run.max_blocks_in_flight, tau_add=run.tau_add, tau_act=run.tau_act,
-                 tau_conf=run.tau_conf, stop_tokens=_stops(model, run), query_limit=run.query_limit,
+                 tau_conf=run.tau_conf, stop_ids=_stops(model, run), query_limit=run.query_limit,
                  position_budget=run.position_budget)
 
 

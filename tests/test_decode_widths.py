@@ -5,7 +5,6 @@ compiled program. Greedy, fp32, random tiny models with a sharpened head (see te
 import numpy as np
 import pytest
 
-import decode_reference as ref
 from d2f_jax.decode import DecodeConfig, generate, resolve, trace_count
 from d2f_jax.decode.methods import check_method_fits
 from d2f_jax.decode.widths import window_widths_for
@@ -33,7 +32,7 @@ def test_width_sets_equal_the_reference(family, case):
   every width compiled, each forward's window is exactly the reference's uncached blocks."""
   block, new, taus = CASES[case]
   model = sharp_model(family)
-  base = DecodeConfig(block_size=block, max_new_tokens=new, stop_tokens=(), prompt_buckets=16, **taus)
+  base = DecodeConfig(block_size=block, max_new_tokens=new, stop_ids=(), prompt_buckets=16, **taus)
   blocks = new // block
   expected = [d2f_reference(model, p, base) for p in PROMPTS]
   results = {}
@@ -51,7 +50,7 @@ def test_width_sets_equal_the_reference(family, case):
 def test_widths_with_a_cap_and_threshold():
   model = sharp_model("llada")
   config = DecodeConfig(block_size=4, max_new_tokens=24, max_blocks_in_flight=2, tau_add=0.0, tau_act=0.5,
-                        tau_conf=0.4, stop_tokens=(), prompt_buckets=16)
+                        tau_conf=0.4, stop_ids=(), prompt_buckets=16)
   result, _ = _check(model, config)
   assert int(np.asarray(result.max_in_flight).max()) == 2
   threshold = DecodeConfig(method="threshold", block_size=4, max_new_tokens=24, tau_conf=0.5, prompt_buckets=16)
@@ -66,7 +65,7 @@ def test_defaults_are_the_uncapped_reference_at_paper_thresholds(family):
   assert (DecodeConfig().tau_add, DecodeConfig().tau_act, DecodeConfig().tau_conf) == (0.1, 0.95, 0.9)
   model = sharp_model(family)
   prompts = PROMPTS + [[7, 7, 7], [400, 3, 99, 12, 5, 5]]
-  config = DecodeConfig(block_size=4, max_new_tokens=32, stop_tokens=(), prompt_buckets=16)
+  config = DecodeConfig(block_size=4, max_new_tokens=32, stop_ids=(), prompt_buckets=16)
   default, _ = _check(model, config, prompts)
   assert int(np.asarray(default.max_in_flight).max()) >= 3  # the reference really pipelines here
   capped = generate(model, prompts, config.replace(max_blocks_in_flight=1))
@@ -76,7 +75,7 @@ def test_defaults_are_the_uncapped_reference_at_paper_thresholds(family):
 def test_one_program_for_every_width():
   model = sharp_model("dream")
   config = DecodeConfig(block_size=4, max_new_tokens=24, tau_add=0.0, tau_act=0.5, tau_conf=0.4,
-                        stop_tokens=(), prompt_buckets=16)
+                        stop_ids=(), prompt_buckets=16)
   generate(model, PROMPTS, config)
   before = trace_count("loop")
   narrow = generate(model, PROMPTS, config.replace(tau_add=1.0, tau_conf=0.95))  # other widths, same program
@@ -135,12 +134,12 @@ def test_resolved_once_per_config_and_unhashable_fields_still_decode():
   afresh each call and decodes exactly as its tuple twin."""
   from d2f_jax.decode.runner import inputs as runner_prepare
   model = sharp_model("llada")
-  config = DecodeConfig(block_size=4, max_new_tokens=16, prompt_buckets=16, stop_tokens=(3,))
+  config = DecodeConfig(block_size=4, max_new_tokens=16, prompt_buckets=16, stop_ids=(3,))
   runner_prepare._resolved.cache_clear()
   first = generate(model, PROMPTS, config)
   generate(model, PROMPTS, config.replace())  # an equal config: a cache hit
   assert runner_prepare._resolved.cache_info().hits == 1 and runner_prepare._resolved.cache_info().misses == 1
-  listed = generate(model, PROMPTS, config.replace(stop_tokens=[3], prompt_buckets=[16]))
+  listed = generate(model, PROMPTS, config.replace(stop_ids=[3], prompt_buckets=[16]))
   assert runner_prepare._resolved.cache_info().misses == 1  # not cached, not failed
   np.testing.assert_array_equal(np.asarray(listed.tokens), np.asarray(first.tokens))
   np.testing.assert_array_equal(np.asarray(listed.forwards), np.asarray(first.forwards))

@@ -300,8 +300,8 @@ def test_bad_task_and_options_are_rejected(checkpoint):
   from d2f_jax.evals import make_task
   with pytest.raises(ValueError, match="unknown task 'mbpp'"):
     make_task("mbpp")
-  with pytest.raises(SystemExit, match="stop_tokens"):
-    evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--stop_tokens", "1,x"])
+  with pytest.raises(SystemExit, match="stop_ids"):
+    evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--stop_ids", "1,x"])
   with pytest.raises(SystemExit, match="multiple of block_size"):
     evaluate.main(["--model", checkpoint, "--task", "gsm8k", "--block_size", "3", "--max_new_tokens", "16"])
   with pytest.raises(SystemExit, match="nope.jsonl"):

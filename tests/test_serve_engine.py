@@ -207,7 +207,7 @@ def test_bad_requests_are_refused_naming_the_field():
            (([1], RequestSettings(max_new_tokens=32)), "max_new_tokens"),
            (([1], RequestSettings(tau_conf=1.5)), "tau_conf"), (([1], RequestSettings(method="vanilla")), "method"),
            (([1], RequestSettings(temperature=0.7)), "temperature"), (([1], RequestSettings(top_p=0.0)), "top_p"),
-           (([1], RequestSettings(stop_tokens=(10 ** 6,))), "stop_token_ids")]
+           (([1], RequestSettings(stop_ids=(10 ** 6,))), "stop_token_ids")]
   for (prompt, settings), field in cases:
     with pytest.raises(RequestError) as error:
       engine.submit(prompt, settings)

@@ -77,9 +77,9 @@ def test_an_empty_prompt_and_a_prompt_too_long_in_characters_are_400s_naming_it(
 def test_stop_token_ids_are_counted_apart_from_the_models_own():
   def planned(ids):
     body = CompletionRequest(prompt="w1", stop_token_ids=ids)
-    return plan(body, block_size=4, bound=16, default_stops=(5, 6), vocab_size=100)
+    return plan(body, block_size=4, bound=16, model_stop_ids=(5, 6), vocab_size=100)
   assert planned([7, 5, 7]).stop_ids == frozenset({5, 6, 7})  # repeats and the model's own ids are free
-  assert len(planned(list(range(10, 16))).settings.stop_tokens) == 8
+  assert len(planned(list(range(10, 16))).settings.stop_ids) == 8
   with pytest.raises(BadRequest, match=r"at most 6 ids besides the model's own stop ids \[5, 6\].*got 7"):
     planned(list(range(10, 17)))
   with pytest.raises(BadRequest, match=r"in \[0, 100\), got \[100, -1\]") as error:

@@ -42,7 +42,7 @@ def build_model(family: str, seed: int, head_scale: float) -> Model:
 
 
 def method_configs(args) -> dict[str, DecodeConfig]:
-  common = dict(block_size=args.block_size, max_new_tokens=args.max_new_tokens, stop_tokens=(),
+  common = dict(block_size=args.block_size, max_new_tokens=args.max_new_tokens, stop_ids=(),
                 prompt_buckets=args.prompt_bucket)
   return {
       "d2f": DecodeConfig(method="d2f", max_blocks_in_flight=args.max_blocks_in_flight or None, tau_conf=args.tau_conf,
@@ -101,7 +101,7 @@ def bench_widths(args) -> list[dict]:
   rows = []
   for tau_add in (float(t) for t in args.width_tau_add.split(",")):
     config = DecodeConfig(method="d2f", block_size=args.block_size, max_new_tokens=args.max_new_tokens,
-                          tau_conf=args.width_tau_conf, tau_add=tau_add, tau_act=args.tau_act, stop_tokens=(),
+                          tau_conf=args.width_tau_conf, tau_add=tau_add, tau_act=args.tau_act, stop_ids=(),
                           prompt_buckets=args.prompt_bucket)
     row = dict(model=args.width_family, tau_add=tau_add)
     tokens = {}

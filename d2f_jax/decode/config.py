@@ -20,7 +20,7 @@ from d2f_jax.models import ModelConfig
 
 DreamAlg = Literal["confidence", "entropy", "margin"]
 DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
-MAX_STOP_TOKENS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
+MAX_STOP_IDS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DecodeConfig:
     most steps run (one or two blocks in flight plus those awaiting their cache write), then 1 + 2^k
     (2^k in flight plus one awaiting); () the largest window only (a fixed window). The largest window is
     always compiled.
-  stop_tokens: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
+  stop_ids: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
   prompt_buckets: prompt lengths are padded up to a multiple of this int, or to the smallest length in
     this tuple that fits, so prompts within a bucket share one compiled program.
   memory_budget_gib: checked before anything compiles (d2f_jax.decode.limits), with the positions the
@@ -75,7 +75,7 @@ class DecodeConfig:
   top_k: int = 0  # sample among the k most probable tokens only; 0: off
   steps: int | None = None  # vanilla / dream_vanilla; None = max_new_tokens (one token per step)
   alg: DreamAlg = "confidence"
-  stop_tokens: tuple[int, ...] | None = None
+  stop_ids: tuple[int, ...] | None = None
   prompt_buckets: int | tuple[int, ...] = 64
   memory_budget_gib: float | None = None  # KV cache + weights must fit; None: the decoding devices' memory
   query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
@@ -123,11 +123,11 @@ class DecodeConfig:
         if self.steps % blocks or self.steps // blocks > self.block_size:
           raise ValueError(f"DecodeConfig.steps ({self.steps}) must be a multiple of the number of blocks "
                            f"({blocks}) with at most block_size ({self.block_size}) steps per block")
-    if self.stop_tokens is not None:
-      if len(self.stop_tokens) > MAX_STOP_TOKENS or any(not isinstance(t, int) or not 0 <= t < 2 ** 31
-                                                         for t in self.stop_tokens):
-        raise ValueError(f"DecodeConfig.stop_tokens must be at most {MAX_STOP_TOKENS} non-negative ints, "
-                         f"got {self.stop_tokens!r}")
+    if self.stop_ids is not None:
+      if len(self.stop_ids) > MAX_STOP_IDS or any(not isinstance(t, int) or not 0 <= t < 2 ** 31
+                                                         for t in self.stop_ids):
+        raise ValueError(f"DecodeConfig.stop_ids must be at most {MAX_STOP_IDS} non-negative ints, "
+                         f"got {self.stop_ids!r}")
     budget = self.memory_budget_gib
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
@@ -215,7 +215,7 @@ class Knobs:
   temperature: jax.Array  # f32; 0 = greedy (a row of a sampling batch may be greedy)
   top_p: jax.Array  # f32
   top_k: jax.Array  # int32; 0 = off
-  stop_ids: jax.Array  # [MAX_STOP_TOKENS] int32, -1 = unused
+  stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 = unused
   block_limit: jax.Array  # int32: response blocks a row may append (its max_new_tokens / block_size)
   in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
   query_limit: jax.Array  # int32: masks a block in flight feeds per step (query mode); the block size otherwise
@@ -235,8 +235,8 @@ def decoded_count_needed(tau: float, block_size: int) -> int:
 
 
 def stop_ids_for(config: DecodeConfig, model: ModelConfig) -> tuple[int, ...]:
-  if config.stop_tokens is not None:
-    return tuple(config.stop_tokens)
+  if config.stop_ids is not None:
+    return tuple(config.stop_ids)
   ids = [model.eos_token_id] + ([model.eot_token_id] if model.eot_token_id is not None else [])
   return tuple(dict.fromkeys(ids))
 
@@ -248,8 +248,8 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   if model.attention_kind is not None:
     check_method_fits(model, config, model.attention_kind)
   run = config.effective()
-  stops = stop_ids_for(run, model)
-  bad = [t for t in stops if t >= model.vocab_size]
+  stop_ids = stop_ids_for(run, model)
+  bad = [t for t in stop_ids if t >= model.vocab_size]
   if bad:
     raise ValueError(f"stop tokens {bad} are outside the vocabulary of size {model.vocab_size}")
   steps = run.steps if run.steps is not None else run.max_new_tokens  # default: one token per step
@@ -265,7 +265,7 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
                     query_mode=query_mode, position_budget=run.position_budget,
                     query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
                     cache_decided=run.cache_decided)
-  stop_array = list(stops) + [-1] * (MAX_STOP_TOKENS - len(stops))
+  stop_array = list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids))
   knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
                 act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
                 tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),

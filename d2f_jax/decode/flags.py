@@ -40,7 +40,7 @@ def check_model_flags(args: argparse.Namespace) -> None:
 
 
 def add_decode_flags(parser) -> None:
-  """Add --method, --block_size, thresholds, sampling, steps, alg, --prompt_bucket and --stop_tokens."""
+  """Add --method, --block_size, thresholds, sampling, steps, alg, --prompt_bucket and --stop_ids."""
   parser.add_argument("--method", default=_DEFAULTS.method, choices=METHODS,
                       help="d2f: pipelined blocks with a KV cache; threshold: one block in flight; vanilla: LLaDA "
                            "low-confidence remasking; dream_vanilla: Dream's ordering by --alg; ar: causal decoding")
@@ -64,7 +64,7 @@ def add_decode_flags(parser) -> None:
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
   parser.add_argument("--memory_budget_gib", type=float, default=None,
                       help="KV cache + weights must fit this many GiB (default: the decoding devices' memory)")
-  parser.add_argument("--stop_tokens", default=None,
+  parser.add_argument("--stop_ids", default=None,
                       help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
   add_mode_flags(parser)
 
@@ -86,18 +86,18 @@ def add_mode_flags(parser) -> None:
 
 def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
   """The DecodeConfig of parsed flags; a bad value exits with the option and what was expected."""
-  stops = None
-  if args.stop_tokens is not None:
-    text = args.stop_tokens.strip().lower()
+  stop_ids = None
+  if args.stop_ids is not None:
+    text = args.stop_ids.strip().lower()
     try:
-      stops = () if text == "none" else tuple(int(t) for t in text.split(",") if t.strip())
+      stop_ids = () if text == "none" else tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError as e:
-      raise UsageError(f"--stop_tokens must be comma-separated ints or 'none', got {args.stop_tokens!r}") from e
+      raise UsageError(f"--stop_ids must be comma-separated ints or 'none', got {args.stop_ids!r}") from e
   try:
     return DecodeConfig(method=args.method, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
                         max_blocks_in_flight=args.max_blocks_in_flight, tau_add=args.tau_add, tau_act=args.tau_act,
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        steps=args.steps, alg=args.alg, stop_tokens=stops, prompt_buckets=args.prompt_bucket,
+                        steps=args.steps, alg=args.alg, stop_ids=stop_ids, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit,
                         position_budget=args.position_budget, cache_decided=args.cache_decided)
   except ValueError as e:

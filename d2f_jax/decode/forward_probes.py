@@ -66,7 +66,7 @@ def spec_for(config: ModelConfig, shape: StepShape):
   """(DecodeSpec, Knobs) of `shape`: for d2f one compiled width, `shape.width` blocks (no switch)."""
   method = _METHOD[shape.kind]
   decode = DecodeConfig(method=method, block_size=shape.block_size, max_new_tokens=shape.new_tokens,
-                        stop_tokens=(), prompt_buckets=shape.prompt)
+                        stop_ids=(), prompt_buckets=shape.prompt)
   spec, knobs = resolve(decode, config)
   if method == "d2f":  # window_blocks = min(cap + 1, blocks) = width, and the width set is that width alone
     spec = dataclasses.replace(spec, max_blocks_in_flight=shape.width - 1, window_widths=(shape.width,))

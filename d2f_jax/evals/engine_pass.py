@@ -32,7 +32,7 @@ def engine_for(model, config: DecodeConfig, slots: int, prompts: list[list[int]]
 def settings_of(config: DecodeConfig) -> RequestSettings:
   return RequestSettings(method=config.method, max_new_tokens=config.max_new_tokens, tau_add=config.tau_add,
                          tau_act=config.tau_act, tau_conf=config.tau_conf, temperature=config.temperature,
-                         top_p=config.top_p, top_k=config.top_k, stop_tokens=config.stop_tokens)
+                         top_p=config.top_p, top_k=config.top_k, stop_ids=config.stop_ids)
 
 
 def warmup_prompts(prompts: list[list[int]], bucket: int, mode: str) -> list[list[int]]:

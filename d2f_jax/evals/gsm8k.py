@@ -117,9 +117,9 @@ def gold_answer(answer: str, *, where: str = "answer") -> str:
   return value
 
 
-def truncate(text: str, stops: tuple[str, ...] = STOP_STRINGS) -> str:
+def truncate(text: str, stop_strings: tuple[str, ...] = STOP_STRINGS) -> str:
   """`text` up to the first stop string (the answer to this question, not to a made-up next one)."""
-  cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+  cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
   return text[:cut].strip()
 
 

@@ -54,7 +54,7 @@ class D2FJaxLM(LM):
 
   def __init__(self, pretrained: str | None = None, *, model=None, dtype: str | None = None, lora: str | None = None,
                attention: str | None = None, mesh: str | None = None, add_bos: bool = False, batch_size=1,
-               max_gen_toks: int = 512, seed: int = 0, stop_tokens: str | None = None, mc_samples: int = 32,
+               max_gen_toks: int = 512, seed: int = 0, stop_ids: str | None = None, mc_samples: int = 32,
                max_batch_size=None, device=None, **decode_options):
     super().__init__()
     import d2f_jax
@@ -80,12 +80,12 @@ class D2FJaxLM(LM):
     self.tokenizer = model.tokenizer
     if self.tokenizer is None:
       raise ValueError(f"d2f_jax: no tokenizer next to the checkpoint {model.source!r}")
-    stops = None
-    if stop_tokens is not None:
-      text = str(stop_tokens).strip().lower()
-      stops = () if text == "none" else tuple(int(t) for t in text.replace(";", ",").split(",") if t.strip())
+    stop_ids = None
+    if stop_ids is not None:
+      text = str(stop_ids).strip().lower()
+      stop_ids = () if text == "none" else tuple(int(t) for t in text.replace(";", ",").split(",") if t.strip())
     self.base_config = DecodeConfig(max_new_tokens=_round_up(self.max_gen_toks, decode_options.get(
-        "block_size", DecodeConfig.block_size)), stop_tokens=stops, **decode_options)
+        "block_size", DecodeConfig.block_size)), stop_ids=stop_ids, **decode_options)
     self.requests_seen: list[tuple[list[int], dict]] = []  # (prompt ids, generation settings), for tests
 
   # --- lm-eval interface ---------------------------------------------------------------------------

@@ -36,14 +36,14 @@ class Inbox:
       pass
 
 
-def _through_stop_string(model, ids: list[int], stops: tuple[str, ...]) -> int:
+def _through_stop_string(model, ids: list[int], stop_strings: tuple[str, ...]) -> int:
   """How many of `ids` it takes for their text to hold a stop string (the answer's completion tokens: the same
   whenever the stop is noticed, alone or under load); len(ids) if none does."""
   low, high = 1, len(ids)
   while low < high:  # the shortest prefix whose text holds a stop (holding one only grows with the prefix)
     middle = (low + high) // 2
     text = model.decode(ids[:middle])
-    low, high = (low, middle) if any(s in text for s in stops) else (middle + 1, high)
+    low, high = (low, middle) if any(s in text for s in stop_strings) else (middle + 1, high)
   return high
 
 

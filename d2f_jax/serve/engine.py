@@ -73,7 +73,7 @@ class Engine(BackgroundLoop):
     """Queue a request (checked first: RequestError names the field); returns its id."""
     prompt = check_prompt(prompt_ids, vocab_size=self.model.config.vocab_size,
                           max_prompt_len=self.config.max_prompt_len)
-    n, knobs, stops = self._request_knobs(settings)
+    n, knobs, stop_ids = self._request_knobs(settings)
     with self._lock:
       if self.error is not None:
         raise EngineStopped(f"the engine failed and admits no requests: {self.error}")
@@ -83,7 +83,7 @@ class Engine(BackgroundLoop):
         raise QueueFull(f"{len(self.queue)} requests are waiting (queue_size {self.config.queue_size})")
       seed = settings.seed if settings.seed is not None else int(self._seeds.integers(2 ** 32))
       request = Request(id=request_id or f"req-{next(self._ids)}", prompt=prompt, settings=settings,
-                        max_new_tokens=n, knobs=knobs, stops=stops, callback=callback, seed=seed % 2 ** 32)
+                        max_new_tokens=n, knobs=knobs, stop_ids=stop_ids, callback=callback, seed=seed % 2 ** 32)
       self.queue.append(request)
       self._lock.notify_all()
     return request.id
@@ -222,13 +222,13 @@ class Engine(BackgroundLoop):
       if request is None:
         continue
       if read["done"][slot]:
-        final = completion(read, slot, request.max_new_tokens, request.stops)._replace(
+        final = completion(read, slot, request.max_new_tokens, request.stop_ids)._replace(
             query_limit=request.query_limit)
         self.slots[slot] = None
         self._emit(request, final.tokens[request.emitted:], reason=final.finish_reason, final=final,
                    forwards=final.forwards)
       else:
-        ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stops)
+        ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stop_ids)
         if len(ids) > request.emitted:
           self._emit(request, ids[request.emitted:], forwards=int(read["forwards"][slot]))
 

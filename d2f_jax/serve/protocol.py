@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from d2f_jax.decode.config import MAX_STOP_TOKENS
+from d2f_jax.decode.config import MAX_STOP_IDS
 from d2f_jax.serve.types import RequestSettings
 
 _DEFAULTS = RequestSettings()
@@ -103,7 +103,7 @@ class Plan:
   stop_strings: tuple[str, ...]
 
 
-def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[int, ...], vocab_size: int) -> Plan:
+def plan(body: _Request, *, block_size: int, bound: int, model_stop_ids: tuple[int, ...], vocab_size: int) -> Plan:
   """The engine's RequestSettings and the cut for a parsed body; BadRequest names what cannot be honoured."""
   if body.n != 1:
     raise BadRequest("n", f"only n=1 is supported (one answer per request), got {body.n}")
@@ -117,29 +117,29 @@ def plan(body: _Request, *, block_size: int, bound: int, default_stops: tuple[in
   max_tokens = bound if wanted is None else wanted
   if max_tokens > bound:
     raise BadRequest(field, f"must be at most this server's max_new_tokens {bound}, got {max_tokens}")
-  stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-  if any(not s for s in stops):
+  stop_strings = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+  if any(not s for s in stop_strings):
     raise BadRequest("stop", "stop strings must be non-empty")
   given = list(body.stop_token_ids or ())
   outside = [t for t in given if not 0 <= t < vocab_size]
   if outside:
     raise BadRequest("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {outside}")
-  extra_ids = tuple(dict.fromkeys(t for t in given if t not in default_stops))
-  room = MAX_STOP_TOKENS - len(default_stops)
+  extra_ids = tuple(dict.fromkeys(t for t in given if t not in model_stop_ids))
+  room = MAX_STOP_IDS - len(model_stop_ids)
   if len(extra_ids) > room:
-    raise BadRequest("stop_token_ids", f"at most {room} ids besides the model's own stop ids {list(default_stops)} "
+    raise BadRequest("stop_token_ids", f"at most {room} ids besides the model's own stop ids {list(model_stop_ids)} "
                                        f"(always on), got {len(extra_ids)}: {list(extra_ids)}")
   settings = RequestSettings(
       method=body.method, max_new_tokens=-(-max_tokens // block_size) * block_size, tau_add=body.tau_add,
       tau_act=body.tau_act, tau_conf=body.tau_conf, temperature=body.temperature, top_p=body.top_p,
       top_k=max(body.top_k, 0), seed=body.seed,
-      stop_tokens=default_stops + extra_ids if extra_ids else None)
-  return Plan(settings=settings, max_tokens=max_tokens, stop_ids=frozenset(default_stops + extra_ids),
-              stop_strings=tuple(stops))
+      stop_ids=model_stop_ids + extra_ids if extra_ids else None)
+  return Plan(settings=settings, max_tokens=max_tokens, stop_ids=frozenset(model_stop_ids + extra_ids),
+              stop_strings=tuple(stop_strings))
 
 
 # The engine's names for fields (RequestError.field) -> the names a client sent.
-ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "stop_tokens": "stop_token_ids"}
+ENGINE_FIELDS = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

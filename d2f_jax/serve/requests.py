@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from d2f_jax.decode.config import MAX_STOP_TOKENS, DecodeConfig, Knobs, resolve
+from d2f_jax.decode.config import MAX_STOP_IDS, DecodeConfig, Knobs, resolve
 from d2f_jax.serve.types import ENGINE_METHODS, STAT_KEYS, Completion, EventCallback, RequestError, RequestSettings
 
 _FIELD = re.compile(r"DecodeConfig\.(\w+)")
@@ -28,7 +28,7 @@ class Request:
   settings: RequestSettings
   max_new_tokens: int
   knobs: Knobs  # numpy scalars: what goes into the slot's row of the engine's knobs
-  stops: frozenset
+  stop_ids: frozenset
   callback: EventCallback | None
   seed: int = 0  # its sampling key is jax.random.key(seed), as `generate(..., key=jax.random.key(seed))` alone
   slot: int | None = None
@@ -74,16 +74,16 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
                                       "start it with sampling enabled to sample")
   if settings.seed is not None and (not isinstance(settings.seed, int) or isinstance(settings.seed, bool)):
     raise RequestError("seed", f"must be an integer, got {settings.seed!r}")
-  stops = settings.stop_tokens
-  if stops is not None and (len(stops) > MAX_STOP_TOKENS or any(
-      not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model_config.vocab_size for t in stops)):
-    raise RequestError("stop_token_ids", f"must be at most {MAX_STOP_TOKENS} token ids inside the vocabulary "
-                                         f"[0, {model_config.vocab_size}), got {list(stops)!r}")
+  stop_ids = settings.stop_ids
+  if stop_ids is not None and (len(stop_ids) > MAX_STOP_IDS or any(
+      not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model_config.vocab_size for t in stop_ids)):
+    raise RequestError("stop_token_ids", f"must be at most {MAX_STOP_IDS} token ids inside the vocabulary "
+                                         f"[0, {model_config.vocab_size}), got {list(stop_ids)!r}")
   try:
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
                           temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                          stop_tokens=None if stops is None else tuple(stops), query_limit=query_limit)
+                          stop_ids=None if stop_ids is None else tuple(stop_ids), query_limit=query_limit)
     _, knobs = resolve(config, model_config)
   except (TypeError, ValueError) as e:
     found = _FIELD.search(str(e))
@@ -92,23 +92,23 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
   return n, knobs, frozenset(int(t) for t in knobs.stop_ids.tolist() if t >= 0)
 
 
-def settled_ids(response: np.ndarray, n: int, mask_id: int, stops: frozenset) -> list[int]:
+def settled_ids(response: np.ndarray, n: int, mask_id: int, stop_ids: frozenset) -> list[int]:
   """The ids of a slot's response row that will not change: the prefix before the first mask, cut after
   the first stop id."""
   row = response[:n]
   masked = row == mask_id
   ids = row[:int(np.argmax(masked)) if masked.any() else n].tolist()
   for i, tok in enumerate(ids):
-    if tok in stops:
+    if tok in stop_ids:
       return ids[:i + 1]
   return ids
 
 
-def completion(read: dict[str, Any], slot: int, n: int, stops: frozenset, reason: str | None = None) -> Completion:
+def completion(read: dict[str, Any], slot: int, n: int, stop_ids: frozenset, reason: str | None = None) -> Completion:
   """The finished request in `generate`'s terms: its response cut after the first stop id (masks left by the
   forward bound stay, as `generate` leaves them), its forwards and acceptance trace."""
   row = read["response"][slot, :n].tolist()
-  cut = next((i + 1 for i, tok in enumerate(row) if tok in stops), None)
+  cut = next((i + 1 for i, tok in enumerate(row) if tok in stop_ids), None)
   tokens = row if cut is None else row[:cut]
   stats = {k: int(read[k][slot]) for k in STAT_KEYS}
   return Completion(tokens=tokens, forwards=int(read["forwards"][slot]), trace=read["trace"][slot, :n].tolist(),

@@ -109,7 +109,8 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
   app.add_middleware(BodyLimit, limit=max_body_bytes)
   cfg = engine.config
   token_chars = longest_token_chars(model.tokenizer) if model.tokenizer is not None else None
-  stops = tuple(dict.fromkeys(t for t in (model.config.eos_token_id, model.config.eot_token_id) if t is not None))
+  model_stop_ids = tuple(dict.fromkeys(t for t in (model.config.eos_token_id, model.config.eot_token_id)
+                                       if t is not None))
 
   @app.exception_handler(RequestValidationError)
   async def invalid(_, exc: RequestValidationError):
@@ -182,7 +183,7 @@ def create_app(engine, model, served_model_name: str, api_key: str | None = None
     if too_long:
       return _error(400, f"{prompt_field}: {too_long}", prompt_field)
     try:
-      p = plan(body, block_size=cfg.block_size, bound=cfg.max_new_tokens, default_stops=stops,
+      p = plan(body, block_size=cfg.block_size, bound=cfg.max_new_tokens, model_stop_ids=model_stop_ids,
                vocab_size=model.config.vocab_size)
       ids = await asyncio.get_running_loop().run_in_executor(None, prompt_ids)  # the event loop stays free
       inbox = Inbox()

@@ -28,7 +28,7 @@ class RequestSettings:
   top_p: float = 1.0
   top_k: int = 0  # 0: off
   seed: int | None = None  # sampling: the request's draws are generate(..., key=jax.random.key(seed % 2**32))'s
-  stop_tokens: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
+  stop_ids: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
 
 
 # The per-request d2f diagnostics the engine reads out of its loop state (decode.DecodeResult's fields).

@@ -79,18 +79,18 @@ def stream(model, prompt_ids: Sequence[int], config: DecodeConfig, *, key=None, 
   """Yield the ids of one prompt as they settle: the decoded prefix of the response, up to and including
   the first stop token. With d2f the prefix advances as blocks finish, several tokens at a time."""
   emitted = 0
-  stops = None
+  stop_ids = None
   for state, p in _steps(model, [list(prompt_ids)], config, None, key, mesh, rules):
     spec = p.spec
-    if stops is None:
-      stops = set(np.asarray(p.knobs.stop_ids).tolist()) - {-1}
+    if stop_ids is None:
+      stop_ids = set(np.asarray(p.knobs.stop_ids).tolist()) - {-1}
     ids = ALGORITHMS[spec.method].settled(state, spec)
     for i, tok in enumerate(ids):
-      if tok in stops:
+      if tok in stop_ids:
         ids = ids[:i + 1]
         break
     if len(ids) > emitted:
       yield StreamChunk(ids[emitted:], int(state.forwards[0]) if hasattr(state, "forwards") else int(state.t))
       emitted = len(ids)
-    if ids and ids[-1] in stops:
+    if ids and ids[-1] in stop_ids:
       return
