@@ -107,3 +107,38 @@ def test_every_refused_decode_option_is_one_error_line_and_status_2(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and match in str(stop.value), (argv, str(stop.value))
     assert err[-1] == f"error: {stop.value}", err
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(method="beam"), "method"), (dict(block_size=0), "block_size"), (dict(max_new_tokens=10), "max_new_tokens"),
+    (dict(tau_add=1.5), "tau_add"), (dict(tau_act="high"), "tau_act"), (dict(tau_conf=None), "tau_conf"),
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p="1"), "top_p"), (dict(top_k=2 ** 31), "top_k"),
+    (dict(stop_ids=(True,)), "stop_ids"), (dict(stop_ids=tuple(range(9))), "stop_ids"),
+    (dict(query_limit=0), "query_limit"), (dict(method="ar", block_size=1, cache_decided=True), "cache_decided"),
+    (dict(prompt_buckets=()), "prompt_buckets")])
+def test_a_bad_setting_names_its_field(changes, field):
+  """SettingError carries the DecodeConfig field (the server maps it to the client's name in one table)."""
+  from d2f_jax.decode.config import SettingError
+  with pytest.raises(SettingError) as error:
+    CONFIG.replace(**changes)
+  assert error.value.field == field and str(error.value).startswith(f"DecodeConfig.{field} "), str(error.value)
+
+
+def test_host_knobs_are_the_device_knobs_and_check_the_vocabulary():
+  """Knobs.on_host is what `resolve` puts on the device (one builder), as numpy; a stop id outside the
+  model's vocabulary is refused naming stop_ids."""
+  import jax
+  from d2f_jax.decode.config import Knobs, SettingError, resolve
+  config = CONFIG.replace(tau_add=0.3, temperature=0.5, top_k=7, stop_ids=(5, 9), query_limit=2)
+  host = Knobs.on_host(config, TINY_LLADA)
+  _, device = resolve(config, TINY_LLADA)
+  for name, value in vars(host).items():
+    assert isinstance(value, np.generic | np.ndarray), name
+    assert isinstance(getattr(device, name), jax.Array)
+    np.testing.assert_array_equal(np.asarray(getattr(device, name)), value, err_msg=name)
+    assert np.asarray(getattr(device, name)).dtype == value.dtype, name
+  assert host.stop_ids.tolist() == [5, 9] + [-1] * 6 and int(host.add_count) == 2  # ceil(0.3 * 4)
+  with pytest.raises(SettingError, match=r"outside the vocabulary \[0, 512\)") as error:
+    Knobs.on_host(CONFIG.replace(stop_ids=(512,)), TINY_LLADA)
+  assert error.value.field == "stop_ids"

@@ -207,7 +207,9 @@ def test_bad_requests_are_refused_naming_the_field():
            (([1], RequestSettings(max_new_tokens=32)), "max_new_tokens"),
            (([1], RequestSettings(tau_conf=1.5)), "tau_conf"), (([1], RequestSettings(method="vanilla")), "method"),
            (([1], RequestSettings(temperature=0.7)), "temperature"), (([1], RequestSettings(top_p=0.0)), "top_p"),
-           (([1], RequestSettings(stop_ids=(10 ** 6,))), "stop_token_ids")]
+           (([1], RequestSettings(stop_ids=(10 ** 6,))), "stop_ids"),
+           (([1], RequestSettings(stop_ids=(True,))), "stop_ids"),
+           (([1], RequestSettings(tau_add="x")), "tau_add"), (([1], RequestSettings(top_k=-3)), "top_k")]
   for (prompt, settings), field in cases:
     with pytest.raises(RequestError) as error:
       engine.submit(prompt, settings)

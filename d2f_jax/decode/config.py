@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from d2f_jax.decode.methods import METHODS, Method, check_method_fits
 from d2f_jax.decode.widths import query_widths_for, window_widths_for
@@ -21,6 +23,18 @@ from d2f_jax.models import ModelConfig
 DreamAlg = Literal["confidence", "entropy", "margin"]
 DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+class SettingError(ValueError):
+  """A decode setting that cannot be run; `.field` names it, so a server can name the client's field."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f"DecodeConfig.{field} {message}")
+    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +50,10 @@ class DecodeConfig:
     loop (the default: a cap changes which tokens come out, so it is a speed option, not a default).
     The window of a forward holds the blocks in flight plus the finished ones whose K/V it writes, at most
     min(cap + 1, max_new_tokens / block_size) blocks.
-  window_widths: compiled window widths in blocks; each step runs the smallest one that holds every block
-    in flight of every row (one `lax.switch` inside the jitted loop: static shapes, no recompiles, the same
-    tokens). None: 1, 2, 3, 4, 5, 9, 17, ... up to the largest window: every width up to 4 blocks, where
-    most steps run (one or two blocks in flight plus those awaiting their cache write), then 1 + 2^k
-    (2^k in flight plus one awaiting); () the largest window only (a fixed window). The largest window is
-    always compiled.
+  window_widths: compiled window widths in blocks; each step runs the smallest that holds every block in
+    flight of every row (one `lax.switch` in the jitted loop: static shapes, no recompiles, the same tokens).
+    None: 1, 2, 3, 4, 5, 9, 17, ...: every width up to 4 blocks (where most steps run), then 1 + 2^k (2^k in
+    flight plus one awaiting its cache write); () the largest window only, which is always compiled.
   stop_ids: ids that end a row; None means the model's eos and end-of-turn ids, () never stops early.
   prompt_buckets: prompt lengths are padded up to a multiple of this int, or to the smallest length in
     this tuple that fits, so prompts within a bucket share one compiled program.
@@ -87,65 +99,64 @@ class DecodeConfig:
 
   def __post_init__(self):
     if self.method not in METHODS:
-      raise ValueError(f"DecodeConfig.method must be one of {METHODS}, got {self.method!r}")
+      raise SettingError("method", f"must be one of {METHODS}, got {self.method!r}")
     for name in ("block_size", "max_new_tokens", "max_blocks_in_flight"):
       value = getattr(self, name)
       if name == "max_blocks_in_flight" and value is None:
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"DecodeConfig.{name} must be a positive int{' or None' if name[0] == 'm' else ''}, "
+        raise SettingError(name, f"must be a positive int{' or None' if name[0] == 'm' else ''}, "
                          f"got {value!r}")
     if self.window_widths is not None:
       if (not isinstance(self.window_widths, tuple)
           or any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.window_widths)):
-        raise ValueError(f"DecodeConfig.window_widths must be None or a tuple of positive ints (blocks), "
+        raise SettingError("window_widths", f"must be None or a tuple of positive ints (blocks), "
                          f"got {self.window_widths!r}")
     if self.method != "ar" and self.max_new_tokens % self.block_size:
-      raise ValueError(f"DecodeConfig.max_new_tokens ({self.max_new_tokens}) must be a multiple of "
+      raise SettingError("max_new_tokens", f"({self.max_new_tokens}) must be a multiple of "
                        f"block_size ({self.block_size})")
     for name in ("tau_add", "tau_act", "tau_conf"):
       value = getattr(self, name)
-      if not 0.0 <= value <= 1.0:
-        raise ValueError(f"DecodeConfig.{name} must lie in [0, 1], got {value!r}")
-    if not self.temperature >= 0.0 or math.isinf(self.temperature):
-      raise ValueError(f"DecodeConfig.temperature must be a finite number >= 0, got {self.temperature!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"DecodeConfig.top_p must lie in (0, 1], got {self.top_p!r}")
+      if not _is_number(value) or not 0.0 <= value <= 1.0:
+        raise SettingError(name, f"must lie in [0, 1], got {value!r}")
+    if not _is_number(self.temperature) or not self.temperature >= 0.0 or math.isinf(self.temperature):
+      raise SettingError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+    if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+      raise SettingError("top_p", f"must lie in (0, 1], got {self.top_p!r}")
     if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2 ** 31:
-      raise ValueError(f"DecodeConfig.top_k must be an int in [0, 2**31) (0: off), got {self.top_k!r}")
+      raise SettingError("top_k", f"must be an int in [0, 2**31) (0: off), got {self.top_k!r}")
     if self.alg not in DREAM_ALGS:
-      raise ValueError(f"DecodeConfig.alg must be one of {DREAM_ALGS}, got {self.alg!r}")
+      raise SettingError("alg", f"must be one of {DREAM_ALGS}, got {self.alg!r}")
     if self.steps is not None:
       if not isinstance(self.steps, int) or self.steps <= 0:
-        raise ValueError(f"DecodeConfig.steps must be a positive int or None, got {self.steps!r}")
+        raise SettingError("steps", f"must be a positive int or None, got {self.steps!r}")
       if self.method == "vanilla":
         blocks = self.max_new_tokens // self.block_size
         if self.steps % blocks or self.steps // blocks > self.block_size:
-          raise ValueError(f"DecodeConfig.steps ({self.steps}) must be a multiple of the number of blocks "
+          raise SettingError("steps", f"({self.steps}) must be a multiple of the number of blocks "
                            f"({blocks}) with at most block_size ({self.block_size}) steps per block")
     if self.stop_ids is not None:
-      if len(self.stop_ids) > MAX_STOP_IDS or any(not isinstance(t, int) or not 0 <= t < 2 ** 31
-                                                         for t in self.stop_ids):
-        raise ValueError(f"DecodeConfig.stop_ids must be at most {MAX_STOP_IDS} non-negative ints, "
-                         f"got {self.stop_ids!r}")
+      if len(self.stop_ids) > MAX_STOP_IDS or any(not isinstance(t, int) or isinstance(t, bool)
+                                                  or not 0 <= t < 2 ** 31 for t in self.stop_ids):
+        raise SettingError("stop_ids", f"must be at most {MAX_STOP_IDS} non-negative ints, got {self.stop_ids!r}")
     budget = self.memory_budget_gib
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget) or budget <= 0):
-      raise ValueError(f"DecodeConfig.memory_budget_gib must be a positive number of GiB or None, got {budget!r}")
+      raise SettingError("memory_budget_gib", f"must be a positive number of GiB or None, got {budget!r}")
     for name, value in (("query_limit", self.query_limit), ("position_budget", self.position_budget)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31):
-        raise ValueError(f"DecodeConfig.{name} must be a positive int or None, got {value!r}")
+        raise SettingError(name, f"must be a positive int or None, got {value!r}")
       if value is not None and self.method not in ("d2f", "threshold"):
-        raise ValueError(f"DecodeConfig.{name} is a mode of method 'd2f' / 'threshold', not {self.method!r}")
+        raise SettingError(name, f"is a mode of method 'd2f' / 'threshold', not {self.method!r}")
     if not isinstance(self.cache_decided, bool) or (self.cache_decided and self.method not in ("d2f", "threshold")):
-      raise ValueError(f"DecodeConfig.cache_decided must be a bool, True only for method 'd2f' / 'threshold', "
+      raise SettingError("cache_decided", f"must be a bool, True only for method 'd2f' / 'threshold', "
                        f"got {self.cache_decided!r} with method {self.method!r}")
     if self.sample is not None and not isinstance(self.sample, bool) or self.sample is False and self.temperature > 0:
-      raise ValueError(f"DecodeConfig.sample must be None or a bool, and not False with temperature > 0, got "
+      raise SettingError("sample", f"must be None or a bool, and not False with temperature > 0, got "
                        f"{self.sample!r} (temperature {self.temperature!r})")
     buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
     if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
-      raise ValueError(f"DecodeConfig.prompt_buckets must be a positive int or a tuple of them, "
+      raise SettingError("prompt_buckets", f"must be a positive int or a tuple of them, "
                        f"got {self.prompt_buckets!r}")
 
   def replace(self, **changes) -> "DecodeConfig":
@@ -221,6 +232,25 @@ class Knobs:
   query_limit: jax.Array  # int32: masks a block in flight feeds per step (query mode); the block size otherwise
   cache_decided: jax.Array  # bool: the row keeps its decided positions' K/V (a spec.cache_decided program)
 
+  @classmethod
+  def on_host(cls, config: DecodeConfig, model: ModelConfig) -> "Knobs":
+    """`config`'s knobs for `model` as numpy scalars, checked once (SettingError names the field): what a
+    server stacks into its slots' rows without a device round trip; `resolve` puts the same on the device."""
+    run = config.effective()
+    stop_ids = stop_ids_for(run, model)
+    outside = [t for t in stop_ids if t >= model.vocab_size]
+    if outside:
+      raise SettingError("stop_ids", f"{outside} are outside the vocabulary [0, {model.vocab_size})")
+    num_blocks = run.max_new_tokens // run.block_size
+    return cls(add_count=np.int32(decoded_count_needed(run.tau_add, run.block_size)),
+               act_count=np.int32(decoded_count_needed(run.tau_act, run.block_size)),
+               tau_conf=np.float32(run.tau_conf), temperature=np.float32(run.temperature),
+               top_p=np.float32(run.top_p), top_k=np.int32(run.top_k),
+               stop_ids=np.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), np.int32),
+               block_limit=np.int32(num_blocks), in_flight_cap=np.int32(in_flight_cap(run)),
+               query_limit=np.int32(run.block_size if run.query_limit is None else run.query_limit),
+               cache_decided=np.bool_(run.cache_decided))
+
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
   """A scalar knob, or a per-row one [B], shaped to broadcast against an array of `ndim` dims whose first
@@ -232,6 +262,12 @@ def per_row(x: jax.Array, ndim: int) -> jax.Array:
 def decoded_count_needed(tau: float, block_size: int) -> int:
   """Smallest decoded count n with n / block_size >= tau, i.e. the ratio test done once in exact ints."""
   return next(n for n in range(block_size + 1) if n / block_size >= tau)
+
+
+def in_flight_cap(run: DecodeConfig) -> int:
+  """Blocks a row may decode at once: max_blocks_in_flight, or every block of the response (no cap)."""
+  num_blocks = run.max_new_tokens // run.block_size
+  return num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
 
 
 def stop_ids_for(config: DecodeConfig, model: ModelConfig) -> tuple[int, ...]:
@@ -248,14 +284,9 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   if model.attention_kind is not None:
     check_method_fits(model, config, model.attention_kind)
   run = config.effective()
-  stop_ids = stop_ids_for(run, model)
-  bad = [t for t in stop_ids if t >= model.vocab_size]
-  if bad:
-    raise ValueError(f"stop tokens {bad} are outside the vocabulary of size {model.vocab_size}")
   steps = run.steps if run.steps is not None else run.max_new_tokens  # default: one token per step
-  num_blocks = run.max_new_tokens // run.block_size
-  cap = num_blocks if run.max_blocks_in_flight is None else min(run.max_blocks_in_flight, num_blocks)
-  window_blocks = min(cap + 1, num_blocks)
+  cap = in_flight_cap(run)
+  window_blocks = min(cap + 1, run.max_new_tokens // run.block_size)
   widths = window_widths_for(run.window_widths, window_blocks)
   query_mode = run.query_limit is not None or run.position_budget is not None or run.cache_decided
   spec = DecodeSpec(method="d2f" if run.method == "threshold" else run.method, model=model,
@@ -265,12 +296,4 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
                     query_mode=query_mode, position_budget=run.position_budget,
                     query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
                     cache_decided=run.cache_decided)
-  stop_array = list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids))
-  knobs = Knobs(add_count=jnp.int32(decoded_count_needed(run.tau_add, run.block_size)),
-                act_count=jnp.int32(decoded_count_needed(run.tau_act, run.block_size)),
-                tau_conf=jnp.float32(run.tau_conf), temperature=jnp.float32(run.temperature),
-                top_p=jnp.float32(run.top_p), top_k=jnp.int32(run.top_k), stop_ids=jnp.asarray(stop_array, jnp.int32),
-                block_limit=jnp.int32(spec.num_blocks), in_flight_cap=jnp.int32(cap),
-                query_limit=jnp.int32(run.block_size if run.query_limit is None else run.query_limit),
-                cache_decided=jnp.bool_(run.cache_decided))
-  return spec, knobs
+  return spec, jax.tree.map(jnp.asarray, Knobs.on_host(config, model))

@@ -60,7 +60,6 @@ class Engine(BackgroundLoop):
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
     self._stop_now = threading.Event()  # abort(): a shutdown stops waiting out its grace
-    self._settings_seen: dict = {}
     self._admitting = True
     self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')
     self._thread: threading.Thread | None = None
@@ -89,22 +88,9 @@ class Engine(BackgroundLoop):
     return request.id
 
   def _request_knobs(self, settings: RequestSettings):
-    """request_knobs, remembered per settings: building them costs a few ms of host time, more than a
-    request's share of a step."""
-    try:
-      return self._settings_seen[settings]
-    except (KeyError, TypeError):  # TypeError: unhashable settings (a list of stop ids)
-      pass
-    found = request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
-                          block_size=self.config.block_size, bound=self.config.max_new_tokens,
-                          sampling=self.config.sampling, query_limit=self.config.query_limit)
-    try:
-      if len(self._settings_seen) >= 4096:
-        self._settings_seen.clear()
-      self._settings_seen[settings] = found
-    except TypeError:
-      pass
-    return found
+    return request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
+                         block_size=self.config.block_size, bound=self.config.max_new_tokens,
+                         sampling=self.config.sampling, query_limit=self.config.query_limit)
 
   def cancel(self, request_id: str) -> None:
     """Stop a request (queued or decoding): its slot frees at the next round; its callback gets a last

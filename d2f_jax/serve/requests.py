@@ -7,16 +7,12 @@ Checks name the offending field (RequestError), so the server's 400 body can too
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
-import jax
 import numpy as np
 
-from d2f_jax.decode.config import MAX_STOP_IDS, DecodeConfig, Knobs, resolve
+from d2f_jax.decode.config import DecodeConfig, Knobs, SettingError
 from d2f_jax.serve.types import ENGINE_METHODS, STAT_KEYS, Completion, EventCallback, RequestError, RequestSettings
-
-_FIELD = re.compile(r"DecodeConfig\.(\w+)")
 
 
 @dataclasses.dataclass
@@ -74,21 +70,17 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
                                       "start it with sampling enabled to sample")
   if settings.seed is not None and (not isinstance(settings.seed, int) or isinstance(settings.seed, bool)):
     raise RequestError("seed", f"must be an integer, got {settings.seed!r}")
-  stop_ids = settings.stop_ids
-  if stop_ids is not None and (len(stop_ids) > MAX_STOP_IDS or any(
-      not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model_config.vocab_size for t in stop_ids)):
-    raise RequestError("stop_token_ids", f"must be at most {MAX_STOP_IDS} token ids inside the vocabulary "
-                                         f"[0, {model_config.vocab_size}), got {list(stop_ids)!r}")
   try:
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
                           temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                          stop_ids=None if stop_ids is None else tuple(stop_ids), query_limit=query_limit)
-    _, knobs = resolve(config, model_config)
-  except (TypeError, ValueError) as e:
-    found = _FIELD.search(str(e))
-    raise RequestError(found.group(1) if found else "settings", str(e)) from None
-  knobs = jax.tree.map(np.asarray, knobs)  # host values: stacked per insert call without device round trips
+                          stop_ids=None if settings.stop_ids is None else tuple(settings.stop_ids),
+                          query_limit=query_limit)
+    knobs = Knobs.on_host(config, model_config)
+  except SettingError as e:
+    raise RequestError(e.field, str(e)) from None
+  except TypeError as e:  # a value of the wrong type met a comparison before its check
+    raise RequestError("settings", str(e)) from None
   return n, knobs, frozenset(int(t) for t in knobs.stop_ids.tolist() if t >= 0)
 
 
