@@ -1,4 +1,5 @@
-"""config.json <-> ModelConfig for LLaDA (model_type "llada") and Dream (model_type "Dream").
+"""config.json <-> ModelConfig for LLaDA (model_type "llada"), Dream ("Dream") and LLaDA2 ("llada2_moe", whose
+fields live in convert/llada2_config.py).
 
 Shape fields are required (a missing one is an error naming it and the file); token ids fall back to the
 released models' values (D2F_SPEC section 1) when a config omits them, and must then lie in the vocabulary.
@@ -7,14 +8,17 @@ Every field is type-checked through convert/validate.py, so a bad value names th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+from d2f_jax.convert import llada2_config
 from d2f_jax.convert.validate import (ConfigError, build_model_config, check_token_ids, get_bool, get_float, get_int,
                                       get_str, read_json_object, require_object, token_id)
 from d2f_jax.models.config import ATTENTION_KINDS, ModelConfig
 
-MODEL_TYPES = {"llada": "llada", "dream": "dream"}  # config.json model_type (lower-cased) -> family
+# config.json model_type (lower-cased) -> family
+MODEL_TYPES = {"llada": "llada", "dream": "dream", llada2_config.MODEL_TYPE: "llada2"}
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 # Released models' special tokens, used when config.json does not name them.
@@ -23,6 +27,7 @@ DEFAULT_IDS = {
                   eot_token_id=126348),
     "dream": dict(mask_token_id=151666, eos_token_id=151643, pad_token_id=151643, bos_token_id=None,
                   eot_token_id=151645),
+    "llada2": llada2_config.DEFAULT_IDS,
 }
 
 __all__ = ["ConfigError", "read_hf_config", "config_from_hf", "hf_config_from_model", "declared_dtype",
@@ -44,7 +49,8 @@ def family_of(hf: dict, source: str = "config.json") -> str:
     raise ConfigError(f"{source}: missing field 'model_type' (expected one of {sorted(MODEL_TYPES)})")
   family = MODEL_TYPES.get(str(model_type).lower())
   if family is None:
-    raise ConfigError(f"{source}: unknown model_type {model_type!r}; known: 'llada' (LLaDA), 'Dream' (Dream)")
+    raise ConfigError(f"{source}: unknown model_type {model_type!r}; known: 'llada' (LLaDA), 'Dream' (Dream), "
+                      f"'{llada2_config.MODEL_TYPE}' (LLaDA2)")
   return family
 
 
@@ -83,9 +89,10 @@ ATTENTION_KEY = "d2f_attention"  # config.json key this project writes: how the 
 
 
 def attention_of(hf: dict, source: str = "config.json") -> str:
-  """config.json's `d2f_attention` (written by the trainer's exports), else 'bidirectional': the released
-  LLaDA and Dream models are masked-diffusion models."""
-  return get_str(hf, ATTENTION_KEY, source, default="bidirectional", choices=ATTENTION_KINDS)
+  """config.json's `d2f_attention` (written by the trainer's exports), else how the released models were
+  trained: LLaDA and Dream bidirectional, LLaDA2 block-causal (block diffusion)."""
+  released = "block_causal" if str(hf.get("model_type")).lower() == llada2_config.MODEL_TYPE else "bidirectional"
+  return get_str(hf, ATTENTION_KEY, source, default=released, choices=ATTENTION_KINDS)
 
 
 def _finish(source: str, family: str, vocab: int, hf: dict, **fields) -> ModelConfig:
@@ -150,6 +157,8 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> ModelConfig:
   """ModelConfig of a parsed config.json; `source` names the file in errors."""
   hf = require_object(hf, source)
   family = family_of(hf, source)
+  if family == "llada2":
+    return _finish(source, family, get_int(hf, "vocab_size", source), hf, **llada2_config.llada2_fields(hf, source))
   return _llada(hf, source) if family == "llada" else _dream(hf, source)
 
 
@@ -207,18 +216,24 @@ def hf_config_from_model(config: ModelConfig, dtype: str | None = None) -> dict[
     if config.head_dim * config.num_heads != config.embed_dim:
       hf["head_dim"] = config.head_dim
     return hf
-  raise ConfigError(f"ModelConfig.family must be 'llada' or 'dream' to write a Hugging Face config, got "
+  if config.family == "llada2":
+    return llada2_config.llada2_json(config, dtype, {**ids, "bos_token_id": config.bos_token_id})
+  raise ConfigError(f"ModelConfig.family must be 'llada', 'dream' or 'llada2' to write a Hugging Face config, got "
                     f"{config.family!r}")
 
 
 SHAPE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                "qkv_bias", "tie_embeddings", "family")
+                "qkv_bias", "tie_embeddings", "family", "qk_norm", "rotary_dim", "moe")
 
 
 def check_same_shapes(config: ModelConfig, hf: dict, source: str = "config.json") -> None:
   """Refuse to pair parameters with a config.json that describes a different layout."""
   other = config_from_hf(hf, source=source)
-  diff = {f: (getattr(config, f), getattr(other, f)) for f in SHAPE_FIELDS if getattr(config, f) != getattr(other, f)}
+
+  def shape(c: ModelConfig, field: str):  # how the experts are computed is no part of the layout
+    value = getattr(c, field)
+    return dataclasses.replace(value, dispatch="ragged") if field == "moe" and value is not None else value
+  diff = {f: (shape(config, f), shape(other, f)) for f in SHAPE_FIELDS if shape(config, f) != shape(other, f)}
   if diff:
     raise ConfigError(f"{source} does not describe these parameters: " +
                       ", ".join(f"{f} params={a!r} config.json={b!r}" for f, (a, b) in diff.items()))

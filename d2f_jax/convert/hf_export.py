@@ -65,9 +65,10 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
   entries = mapping.expected_tensors(config, order="param")
   current: dict[str, np.ndarray] = {}
 
-  def param(path: str) -> np.ndarray:
+  def param(path: str, keep: tuple[str, ...] = ()) -> np.ndarray:
     if path not in current:
-      current.clear()  # drop the previous parameter before loading the next
+      for other in [p for p in current if p not in keep]:
+        del current[other]  # drop the previous parameter(s) before loading the next
       value = np.asarray(load(path))
       if tuple(value.shape) != shapes[path]:
         raise ValueError(f"parameter {path} has shape {tuple(value.shape)}, expected {shapes[path]}")
@@ -82,7 +83,7 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
     file_dtype = {p: np.dtype(params.dtypes[p]) for p in shapes}
   else:
     file_dtype = {p: np.asarray(load(p)).dtype for p in shapes}
-  specs = [TensorSpec(e.hf, file_dtype[e.path], e.hf_shape) for e in entries.values()]
+  specs = [TensorSpec(e.hf, file_dtype[e.parts[0].path], e.hf_shape) for e in entries.values()]
   if hf_cfg is None:
     hf_cfg = hf_config_from_model(config, dtype=file_dtype["embedding"].name)
   if attention is not None:
@@ -90,10 +91,11 @@ def export_hf(out_dir, config: ModelConfig, params: dict | Callable[[str], Any],
 
   def produce(spec: TensorSpec) -> np.ndarray:
     entry = entries[spec.name]
-    value = param(entry.path)
-    view = entry.transform.hf_view(np.ascontiguousarray(value[entry.layer] if entry.layer is not None else value))
-    out = np.empty(view.shape, spec.dtype)
-    assign(out, view)
+    paths = tuple(part.path for part in entry.parts)  # a fused tensor's parts stay loaded together
+    out = np.empty(entry.hf_shape, spec.dtype)
+    for part in entry.parts:
+      view = part.of(np.ascontiguousarray(param(part.path, keep=paths)))
+      assign(out if part.rows is None else out[part.rows[0]:part.rows[1]], view)
     return out
 
   with atomic_dir(out_dir, overwrite=overwrite) as tmp, \

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from d2f_jax.convert import mapping
+from d2f_jax.convert import families, mapping
 from d2f_jax.convert.errors import CheckpointError
 from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.hf_config import declared_dtype, read_hf_config
@@ -65,7 +65,7 @@ def check_tensors(infos: dict[str, TensorInfo], entries: dict[str, mapping.Entry
   """Every expected tensor present, every present tensor expected, every shape as config.json implies, every
   dtype a float one and (when config.json names a torch_dtype) that one: checked before any model is built,
   so relabelled bytes (F32 -> I32) are refused here instead of building an int32 model."""
-  present = {n for n in infos if not n.endswith(mapping.IGNORED_SUFFIXES)}
+  present = {n for n in infos if not n.endswith(families.IGNORED_SUFFIXES)}
   missing, unexpected = set(entries) - present, present - set(entries)
   if missing or unexpected:
     other = mapping.guess_family(present)
@@ -97,7 +97,7 @@ def check_sizes(infos: dict[str, TensorInfo], config: ModelConfig, where: str) -
   the weights, counted in closed form) before anything loops over its layers or allocates by its sizes:
   n_layers 10^12 grew convert past 15 GB. Smaller differences get check_tensors' exact, per-tensor message."""
   expected = sum(math.prod(shape) for shape in mapping.param_shapes(config).values())
-  present = sum(math.prod(info.shape) for name, info in infos.items() if not name.endswith(mapping.IGNORED_SUFFIXES))
+  present = sum(math.prod(info.shape) for name, info in infos.items() if not name.endswith(families.IGNORED_SUFFIXES))
   if config.num_layers > len(infos) or expected > 2 * present:
     c = config
     raise CheckpointError(
@@ -118,22 +118,24 @@ def checkpoint_dtype(infos) -> np.dtype:
   return by_bytes.most_common(1)[0][0]
 
 
-def copy_tensor(reader, info: TensorInfo, dest: np.ndarray) -> None:
-  """Copy one HF tensor into `dest` (an HF-layout view of our parameter), through a row buffer if needed."""
-  if dest.flags.c_contiguous and dest.dtype == info.dtype:
-    reader.read(info.name, out=dest)
-    return
+def copy_tensor(reader, info: TensorInfo, dest: np.ndarray, rows: tuple[int, int] | None = None) -> None:
+  """Copy one HF tensor (or its `rows` [start, stop): one part of a fused tensor) into `dest` (an HF-layout
+  view of our parameter), through a row buffer if needed."""
   shape = info.shape
   if not shape:
     dest[...] = reader.read(info.name)
     return
+  start, stop = (0, shape[0]) if rows is None else rows
+  if dest.flags.c_contiguous and dest.dtype == info.dtype:
+    reader.read(info.name, out=dest, rows=rows)
+    return
   row_bytes = max(1, info.nbytes // max(1, shape[0]))
-  step = max(1, min(shape[0], CHUNK_BYTES // row_bytes))
+  step = max(1, min(stop - start, CHUNK_BYTES // row_bytes))
   buf = np.empty((step,) + tuple(shape[1:]), info.dtype)
-  for lo in range(0, shape[0], step):
-    hi = min(shape[0], lo + step)
+  for lo in range(start, stop, step):
+    hi = min(stop, lo + step)
     block = reader.read(info.name, out=buf[:hi - lo], rows=(lo, hi))
-    assign(dest[lo:hi], block)
+    assign(dest[lo - start:hi - start], block)
 
 
 def load_hf_params(hf_dir: str, *, dtype=None, allow_pickle: bool = False, progress: bool = True,
@@ -158,10 +160,11 @@ def load_hf_params(hf_dir: str, *, dtype=None, allow_pickle: bool = False, progr
               disable=not progress, leave=False) as bar:
       for entry in order:
         info = reader.infos[entry.hf]
-        param = flat[entry.path]
-        view = entry.transform.hf_view(param[entry.layer] if entry.layer is not None else param)
-        copy_tensor(reader, info, view)
-        check_finite(info.name, view, f"checkpoint {hf_dir!r} ({os.path.basename(info.path)})", allow=allow_nonfinite)
+        for part in entry.parts:
+          view = part.of(flat[part.path])
+          copy_tensor(reader, info, view, part.rows)
+          check_finite(info.name, view, f"checkpoint {hf_dir!r} ({os.path.basename(info.path)})",
+                       allow=allow_nonfinite)
         bar.update(info.nbytes)
   name = target.name
   return config.replace(dtype=name, param_dtype=name), mapping.unflatten(flat)

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from d2f_jax.convert import mapping
+from d2f_jax.convert import families, mapping
 from d2f_jax.convert.errors import ConvertError
 from d2f_jax.convert.finite import check_finite
 from d2f_jax.convert.validate import build_lora_config, get_bool, get_float, get_int, read_json_object
@@ -42,13 +42,20 @@ class AdapterError(ConvertError):
 
 def peft_target_names(family: str) -> dict[str, str]:
   """PEFT target_modules name -> our target, e.g. {'attn_out': 'o', ...} for LLaDA."""
-  table = mapping.table_for(family)
-  return {table.peft_target(t): t for t in LORA_TARGETS}
+  table = families.table_for(family)
+  return {table.peft_target(t): t for t in LORA_TARGETS if table.has_module(t)}
+
+
+def _check_peft_family(family: str) -> None:
+  if not peft_target_names(family):
+    raise AdapterError(f"PEFT adapters of {family} checkpoints are not converted: their q / k / v are one fused "
+                       "Linear (query_key_value) and their MLPs experts; LoRA trained in d2f_jax stays in its "
+                       "checkpoints")
 
 
 def peft_names(family: str, target: str, layer: int) -> tuple[str, str, str]:
   """(lora_A name, lora_B name, base weight name) of one target in one layer."""
-  table = mapping.table_for(family)
+  table = families.table_for(family)
   module = table.module(target).format(i=layer)
   return (f"{table.peft_prefix}{module}.lora_A.weight", f"{table.peft_prefix}{module}.lora_B.weight",
           f"{module}.weight")
@@ -56,7 +63,7 @@ def peft_names(family: str, target: str, layer: int) -> tuple[str, str, str]:
 
 def peft_adapter_config(config: ModelConfig, lora: LoraConfig, base_model_name_or_path: str | None = None) -> dict:
   """adapter_config.json as PEFT writes it for a plain LoRA on the base's Linear layers."""
-  table = mapping.table_for(config.family)
+  table = families.table_for(config.family)
   alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
   return {
       "alpha_pattern": {}, "auto_mapping": None,
@@ -81,7 +88,7 @@ def _targets(value, family: str, source: str) -> tuple[str, ...]:
       raise AdapterError(f"{source}: target_modules must list module names (strings), got {name!r}")
     short = name.rsplit(".", 1)[-1]
     if short not in known:
-      other = [f for f in mapping.TABLES if f != family and short in peft_target_names(f)]
+      other = [f for f in families.TABLES if f != family and short in peft_target_names(f)]
       hint = f" ('{short}' is a {other[0]} module name: is this adapter for a {other[0]} base?)" if other else ""
       raise AdapterError(f"{source}: unsupported target module name {name!r} for a {family} base; supported: "
                          f"{sorted(known)}{hint}")
@@ -91,6 +98,7 @@ def _targets(value, family: str, source: str) -> tuple[str, ...]:
 
 def read_adapter_config(adapter_dir: str, family: str) -> tuple[LoraConfig, dict]:
   """(LoraConfig, raw adapter_config.json), refusing PEFT options that change the math."""
+  _check_peft_family(family)
   path = os.path.join(os.fspath(adapter_dir), ADAPTER_CONFIG)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{adapter_dir!r} has no {ADAPTER_CONFIG} (is it a PEFT adapter directory?)")
@@ -142,7 +150,7 @@ def read_peft_adapter(adapter_dir, config: ModelConfig, *, dtype=None, allow_pic
   """
   adapter_dir = os.fspath(adapter_dir)
   lora, _ = read_adapter_config(adapter_dir, config.family)
-  table = mapping.table_for(config.family)
+  table = families.table_for(config.family)
   modules = {table.module(t).format(i=i): (t, i) for t in LORA_TARGETS for i in range(config.num_layers)}
   base = mapping.expected_tensors(config)
   with _open_adapter(adapter_dir, allow_pickle) as reader:
@@ -235,6 +243,7 @@ def split_lora(tree: dict) -> tuple[dict, dict]:
 def export_peft_adapter(out_dir, config: ModelConfig, lora: LoraConfig, lora_params: dict, *,
                         base_model_name_or_path: str | None = None, dtype=None, overwrite: bool = False) -> str:
   """Write our LoRA parameters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+  _check_peft_family(config.family)
   lora_layers = lora_params["layers"] if "layers" in lora_params else lora_params
   shapes = mapping.lora_shapes(config, lora)
   specs, sources = [], {}

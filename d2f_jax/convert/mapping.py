@@ -1,152 +1,40 @@
-"""Declarative name / layout tables between Hugging Face checkpoints and our parameter tree.
-
-One table per family; each row is (HF tensor name with `{i}` for the layer, our parameter path, transform).
-A transform is a *view*: `hf_view(ours)` shows a (per-layer slice of a) parameter of ours in the HF layout,
-so import writes through the view and export copies out of it; the two directions cannot disagree.
-Our layout (see models/transformer.py): every projection [in, out], heads packed with head_dim (q [E,H*D],
-k/v [E,K*D], o [H*D,E]), gate/up [E,F], down [F,E], lm_head [E,V]; HF Linear weights are [out, in].
+"""Our parameter tree against the Hugging Face checkpoints: the shapes of ours, and every HF tensor a
+checkpoint of a config holds with the parts of ours it shows (from the family's table, convert/families.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
 
-from d2f_jax.models import PROJECTIONS, proj_shape
+from d2f_jax.convert.families import table_for
+from d2f_jax.convert.table import LINEAR, Row, Transform
+from d2f_jax.models import proj_shape
 from d2f_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Transform:
-  """`kind`: 'identity' (same shape), 'flatten' (HF keeps it 1-D) or 'linear' (HF [out, in] = ours
-  reshaped to [in, out] and transposed; the first `n_in` axes of ours are the input axes)."""
-  kind: str
-  n_in: int = 1
-
-  def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
-    if self.kind == "identity":
-      return tuple(ours)
-    if self.kind == "flatten":
-      return (math.prod(ours),)
-    return (math.prod(ours[self.n_in:]), math.prod(ours[:self.n_in]))
-
-  def hf_view(self, ours: np.ndarray) -> np.ndarray:
-    """A view (never a copy) of `ours` in the HF layout; `ours` must be C-contiguous."""
-    if not ours.flags.c_contiguous:
-      raise ValueError(f"hf_view needs a C-contiguous array, got strides {ours.strides}")
-    if self.kind == "identity":
-      return ours
-    if self.kind == "flatten":
-      return ours.reshape(-1)
-    n_in = math.prod(ours.shape[:self.n_in])
-    return ours.reshape(n_in, -1).T
-
-
-IDENTITY = Transform("identity")
-FLATTEN = Transform("flatten")
-LINEAR = Transform("linear", n_in=1)  # ours [in, out] e.g. q [E, H*D], gate [E, F]
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  hf: str  # HF tensor name; '{i}' marks a per-layer tensor
-  ours: str  # our parameter path, '/'-separated
-  transform: Transform
-  when: str | None = None  # 'qkv_bias' | 'untied': present only for such configs
-
-  @property
-  def per_layer(self) -> bool:
-    return "{i}" in self.hf
-
-  def applies(self, config: ModelConfig) -> bool:
-    if self.when == "qkv_bias":
-      return config.qkv_bias
-    if self.when == "untied":
-      return not config.tie_embeddings
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class FamilyTable:
-  family: str
-  rows: tuple[Row, ...]
-  peft_prefix: str = "base_model.model."  # PEFT wraps the whole model: base_model.model.<module path>
-
-  def module(self, target: str) -> str:
-    """HF module path ('...{i}.q_proj') of one of our LoRA targets ('q')."""
-    for row in self.rows:
-      if row.ours == f"layers/{target}":
-        return row.hf[:-len(".weight")]
-    raise KeyError(f"{self.family} has no module for LoRA target {target!r}")
-
-  def peft_target(self, target: str) -> str:
-    """PEFT's target_modules name of one of our targets ('o' -> 'attn_out' / 'o_proj')."""
-    return self.module(target).rsplit(".", 1)[-1]
-
-
-_B = "model.transformer.blocks.{i}."
-LLADA = FamilyTable("llada", (
-    Row("model.transformer.wte.weight", "embedding", IDENTITY),
-    Row(_B + "attn_norm.weight", "layers/attn_norm", IDENTITY),
-    Row(_B + "q_proj.weight", "layers/q", LINEAR),
-    Row(_B + "k_proj.weight", "layers/k", LINEAR),
-    Row(_B + "v_proj.weight", "layers/v", LINEAR),
-    Row(_B + "q_proj.bias", "layers/q_bias", FLATTEN, when="qkv_bias"),
-    Row(_B + "k_proj.bias", "layers/k_bias", FLATTEN, when="qkv_bias"),
-    Row(_B + "v_proj.bias", "layers/v_bias", FLATTEN, when="qkv_bias"),
-    Row(_B + "attn_out.weight", "layers/o", LINEAR),
-    Row(_B + "ff_norm.weight", "layers/mlp_norm", IDENTITY),
-    Row(_B + "ff_proj.weight", "layers/gate", LINEAR),  # the silu branch
-    Row(_B + "up_proj.weight", "layers/up", LINEAR),
-    Row(_B + "ff_out.weight", "layers/down", LINEAR),
-    Row("model.transformer.ln_f.weight", "final_norm", IDENTITY),
-    Row("model.transformer.ff_out.weight", "lm_head", LINEAR, when="untied"),
-))
-
-_L = "model.layers.{i}."
-DREAM = FamilyTable("dream", (
-    Row("model.embed_tokens.weight", "embedding", IDENTITY),
-    Row(_L + "input_layernorm.weight", "layers/attn_norm", IDENTITY),
-    Row(_L + "self_attn.q_proj.weight", "layers/q", LINEAR),
-    Row(_L + "self_attn.k_proj.weight", "layers/k", LINEAR),
-    Row(_L + "self_attn.v_proj.weight", "layers/v", LINEAR),
-    Row(_L + "self_attn.q_proj.bias", "layers/q_bias", FLATTEN, when="qkv_bias"),
-    Row(_L + "self_attn.k_proj.bias", "layers/k_bias", FLATTEN, when="qkv_bias"),
-    Row(_L + "self_attn.v_proj.bias", "layers/v_bias", FLATTEN, when="qkv_bias"),
-    Row(_L + "self_attn.o_proj.weight", "layers/o", LINEAR),
-    Row(_L + "post_attention_layernorm.weight", "layers/mlp_norm", IDENTITY),
-    Row(_L + "mlp.gate_proj.weight", "layers/gate", LINEAR),
-    Row(_L + "mlp.up_proj.weight", "layers/up", LINEAR),
-    Row(_L + "mlp.down_proj.weight", "layers/down", LINEAR),
-    Row("model.norm.weight", "final_norm", IDENTITY),
-    Row("lm_head.weight", "lm_head", LINEAR, when="untied"),
-))
-
-TABLES = {"llada": LLADA, "dream": DREAM}
-
-# Tensors some checkpoints carry that are buffers, not parameters.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def table_for(family: str) -> FamilyTable:
-  if family not in TABLES:
-    raise ValueError(f"no Hugging Face mapping for family {family!r}; known: {sorted(TABLES)}")
-  return TABLES[family]
+from d2f_jax.models.transformer import StackedLayers, moe_param_layout
 
 
 # --- our parameter shapes --------------------------------------------------------------------------
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Shape of every parameter of ours, by '/'-path (the Transformer's nnx.Param layout)."""
-  L, E, H, K, D, V = (config.num_layers, config.embed_dim, config.num_heads, config.num_kv_heads,
-                      config.head_dim, config.vocab_size)
-  shapes = {"embedding": (V, E), "layers/attn_norm": (L, E), "layers/mlp_norm": (L, E), "final_norm": (E,)}
-  shapes.update({f"layers/{name}": (L, *proj_shape(name, config)) for name in PROJECTIONS})
-  if config.qkv_bias:
-    shapes.update({"layers/q_bias": (L, H, D), "layers/k_bias": (L, K, D), "layers/v_bias": (L, K, D)})
+  """Shape of every parameter of ours, by '/'-path (the Transformer's nnx.Param layout): the dense layers'
+  stack `layers` and, with config.moe, the mixture-of-experts stack `moe_layers`."""
+  E, H, K, D, V = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size
+  shapes = {"embedding": (V, E), "final_norm": (E,)}
+  stacks = [("layers", config.dense_layers, False)]
+  if config.moe is not None:
+    stacks.append(("moe_layers", config.num_layers - config.dense_layers, True))
+  for stack, n, moe in stacks:
+    shapes.update({f"{stack}/attn_norm": (n, E), f"{stack}/mlp_norm": (n, E)})
+    shapes.update({f"{stack}/{name}": (n, *proj_shape(name, config)) for name in StackedLayers.projections(moe)})
+    if config.qkv_bias:
+      shapes.update({f"{stack}/q_bias": (n, H, D), f"{stack}/k_bias": (n, K, D), f"{stack}/v_bias": (n, K, D)})
+    if config.qk_norm:
+      shapes.update({f"{stack}/q_norm": (n, D), f"{stack}/k_norm": (n, D)})
+    if moe:
+      shapes.update({f"{stack}/{name}": (n, *shape) for name, (shape, _) in moe_param_layout(config).items()})
   if not config.tie_embeddings:
     shapes["lm_head"] = (E, V)
   return shapes
@@ -171,13 +59,43 @@ def lora_transforms(target: str) -> tuple[Transform, Transform]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
-  """One HF tensor and where it lives in our tree: `layer` indexes the stacked axis (None: not stacked)."""
-  hf: str
+class Part:
+  """One of our parameters (or one layer / expert of a stacked one) inside an HF tensor: its `rows` [start,
+  stop) (None: the whole tensor); `index` picks the slice of a stacked parameter ((layer,), (layer, expert))."""
   path: str
-  layer: int | None
+  index: tuple[int, ...] | None
   transform: Transform
+  rows: tuple[int, int] | None = None
+
+  def of(self, param: np.ndarray) -> np.ndarray:
+    """This part's slice of our parameter `param`, in the HF layout (a view)."""
+    return self.transform.hf_view(param[self.index] if self.index is not None else param)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One HF tensor and the parts of ours it holds (several when HF fuses them, as LLaDA2's query_key_value)."""
+  hf: str
   hf_shape: tuple[int, ...]
+  parts: tuple[Part, ...]
+
+
+def _stack_of(config: ModelConfig, layer: int) -> tuple[str, int]:
+  """(our stack, index in it) of HF layer `layer`."""
+  return ("layers", layer) if layer < config.dense_layers else ("moe_layers", layer - config.dense_layers)
+
+
+def _entry(row: Row, shapes: dict, config: ModelConfig, layer: int | None, expert: int | None) -> Entry:
+  stack, local = _stack_of(config, layer) if layer is not None else (None, None)
+  index = None if layer is None else (local,) if expert is None else (local, expert)
+  parts, start = [], 0
+  for path in (p.format(stack=stack) for p in row.paths):
+    shape = row.transform.hf_shape(shapes[path][len(index or ()):])
+    rows = None if len(row.paths) == 1 else (start, start + shape[0])
+    parts.append(Part(path, index, row.transform, rows))
+    start += shape[0]
+  hf_shape = shape if len(row.paths) == 1 else (start, *shape[1:])
+  return Entry(row.hf.format(i=layer, j=expert), tuple(hf_shape), tuple(parts))
 
 
 def expected_tensors(config: ModelConfig, order: str = "layer") -> dict[str, Entry]:
@@ -185,30 +103,27 @@ def expected_tensors(config: ModelConfig, order: str = "layer") -> dict[str, Ent
   tensors, then layer 1's, ...) or grouped by our parameter (order='param': all layers' q_proj, then k_proj...;
   lets export hold one stacked parameter at a time)."""
   table, shapes = table_for(config.family), param_shapes(config)
+  if order not in ("layer", "param"):
+    raise ValueError(f"order must be 'layer' or 'param', got {order!r}")
   entries: dict[str, Entry] = {}
 
   def add(row: Row, layer: int | None):
-    shape = shapes[row.ours][1:] if layer is not None else shapes[row.ours]
-    name = row.hf.format(i=layer)
-    entries[name] = Entry(name, row.ours, layer, row.transform, row.transform.hf_shape(shape))
+    for expert in range(config.moe.num_experts) if "{j}" in row.hf else (None,):
+      entry = _entry(row, shapes, config, layer, expert)
+      entries[entry.hf] = entry
 
-  rows = [r for r in table.rows if r.applies(config)]
-  for row in rows:
-    if not row.per_layer and row.ours == "embedding":
-      add(row, None)
+  whole = [r for r in table.rows if not r.per_layer and r.applies(config)]
+  per_layer = [r for r in table.rows if r.per_layer]
+  layer_rows = [(row, i) for i in range(config.num_layers) for row in per_layer if row.applies(config, i)]
   if order == "param":
-    for row in rows:
-      for i in range(config.num_layers if row.per_layer else 0):
-        add(row, i)
-  elif order == "layer":
-    for i in range(config.num_layers):
-      for row in rows:
-        if row.per_layer:
-          add(row, i)
-  else:
-    raise ValueError(f"order must be 'layer' or 'param', got {order!r}")
-  for row in rows:
-    if not row.per_layer and row.ours != "embedding":
+    layer_rows = sorted(layer_rows, key=lambda ri: per_layer.index(ri[0]))  # stable: layers stay in order
+  for row in whole:
+    if row.ours == "embedding":
+      add(row, None)
+  for row, i in layer_rows:
+    add(row, i)
+  for row in whole:
+    if row.ours != "embedding":
       add(row, None)
   return entries
 
@@ -231,6 +146,8 @@ def guess_family(names) -> str | None:
   names = list(names)
   if any(".transformer.blocks." in n or n.endswith("transformer.wte.weight") for n in names):
     return "llada"
+  if any(".layers." in n and ".attention.query_key_value." in n for n in names):
+    return "llada2"
   if any(".layers." in n and (".self_attn." in n or ".mlp." in n) for n in names):
     return "dream"
   return None

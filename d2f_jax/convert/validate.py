@@ -16,7 +16,7 @@ from typing import Any
 
 from d2f_jax.convert.errors import ConvertError, one_line
 from d2f_jax.kernels.common import ATTENTION_IMPLS
-from d2f_jax.models.config import ATTENTION_KINDS, LoraConfig, ModelConfig
+from d2f_jax.models.config import ATTENTION_KINDS, EXPERT_DISPATCHES, LoraConfig, ModelConfig, MoEConfig
 
 _MISSING = object()
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id", "eot_token_id")
@@ -175,7 +175,9 @@ def model_config_from_dict(raw: Any, source: str, field: str = "config") -> Mode
     elif kind == "bool":
       values[name] = get_bool(sub, label, source, default=f.default)
     elif kind == "family":
-      values[name] = get_str(sub, label, source, choices=("llada", "dream", "custom"))
+      values[name] = get_str(sub, label, source, choices=("llada", "dream", "llada2", "custom"))
+    elif name == "moe":
+      values[name] = None if raw[name] is None else moe_config_from_dict(raw[name], source, label)
     elif name == "attention_impl":
       values[name] = get_str(sub, label, source, choices=ATTENTION_IMPLS)
     elif name == "attention_kind":
@@ -183,6 +185,32 @@ def model_config_from_dict(raw: Any, source: str, field: str = "config") -> Mode
     else:
       values[name] = get_str(sub, label, source)
   return check_token_ids(build_model_config(source, **values), source)
+
+
+def moe_config_from_dict(raw: Any, source: str, field: str = "config.moe") -> MoEConfig:
+  """A MoEConfig from its dataclasses.asdict() form, every field's type checked and named."""
+  raw = require_object(raw, source, field)
+  fields = {f.name: f for f in dataclasses.fields(MoEConfig)}
+  unknown = sorted(set(raw) - set(fields))
+  if unknown:
+    raise ConfigError(f"{source}: field {field!r} has unknown MoEConfig field(s) {unknown}; known: {sorted(fields)}")
+  values = {}
+  for name, f in fields.items():
+    label = f"{field}.{name}"
+    default = f.default if f.default is not dataclasses.MISSING else _MISSING
+    sub = {label: raw.get(name)}
+    if f.type == "int":
+      values[name] = get_int(sub, label, source, default=default, minimum=0)
+    elif f.type == "float":
+      values[name] = get_float(sub, label, source, default=default)
+    elif f.type == "bool":
+      values[name] = get_bool(sub, label, source, default=default)
+    else:
+      values[name] = get_str(sub, label, source, default=default, choices=EXPERT_DISPATCHES)
+  try:
+    return MoEConfig(**values)
+  except ValueError as e:
+    raise ConfigError(f"{source}: {one_line(e)}") from e
 
 
 def lora_config_from_dict(raw: Any, source: str, field: str = "lora") -> LoraConfig:

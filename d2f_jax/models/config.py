@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from d2f_jax.kernels.common import ATTENTION_IMPLS
 
-Family = Literal["llada", "dream", "custom"]
+Family = Literal["llada", "dream", "llada2", "custom"]
 # How a model was trained to attend; decoding refuses a method that does not fit it (decode/config.py).
 ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # Attention implementation (see d2f_jax.kernels.attend): "xla" = the jnp reference, "auto" = Pallas kernels on
@@ -26,6 +26,57 @@ ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 # a layer a device for LLaDA-8B on v5e-8), all copied on GPU (~2x a decode step's traffic). A scanned decode
 # step compiles in a fraction of the unrolled one's time (docs/pods.md: compile times).
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
+# How a mixture-of-experts layer computes its experts (models/moe.py): "ragged" = the tokens sorted by expert
+# and one grouped matmul (`lax.ragged_dot`: each token computes its k experts only); "dense" = every expert on
+# every token, combined with the routing weights (no gather or sort: cheapest for a handful of tokens).
+EXPERT_DISPATCHES: tuple[str, ...] = ("ragged", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """The mixture-of-experts layers of LLaDA2 (BailingMoeV2): after `first_dense_layers` dense layers, each
+  MLP is a sigmoid router choosing `experts_per_token` of `num_experts` SwiGLU experts (group-limited: keep
+  the `groups_kept` of `num_groups` contiguous expert groups with the largest sum of their top-2 biased
+  scores, then the top experts among those), weighted by their unbiased scores normalised to sum to 1 and
+  scaled by `routed_scaling`, plus `num_shared_experts` always-on experts fused into one SwiGLU."""
+
+  num_experts: int
+  experts_per_token: int
+  expert_mlp_dim: int
+  num_shared_experts: int = 0
+  num_groups: int = 1
+  groups_kept: int = 1
+  routed_scaling: float = 1.0
+  first_dense_layers: int = 0
+  expert_bias: bool = True  # the router's selection bias (kept in float32), used to choose experts only
+  dispatch: str = "ragged"  # one of EXPERT_DISPATCHES
+
+  def __post_init__(self):
+    for field in ("num_experts", "experts_per_token", "expert_mlp_dim", "num_groups", "groups_kept"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
+    for field in ("num_shared_experts", "first_dense_layers"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"MoEConfig.{field} must be a non-negative int, got {value!r}")
+    if self.num_experts % self.num_groups:
+      raise ValueError(f"MoEConfig.num_experts ({self.num_experts}) must be a multiple of num_groups "
+                       f"({self.num_groups})")
+    if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+      raise ValueError(f"MoEConfig: a group's score sums its top-2 experts, so each of the {self.num_groups} "
+                       f"groups needs at least 2 of the {self.num_experts} experts")
+    if self.groups_kept > self.num_groups:
+      raise ValueError(f"MoEConfig.groups_kept ({self.groups_kept}) must be at most num_groups ({self.num_groups})")
+    if self.experts_per_token > self.groups_kept * (self.num_experts // self.num_groups):
+      raise ValueError(f"MoEConfig.experts_per_token ({self.experts_per_token}) exceeds the experts of the "
+                       f"{self.groups_kept} kept groups")
+    if self.dispatch not in EXPERT_DISPATCHES:
+      raise ValueError(f"MoEConfig.dispatch must be one of {EXPERT_DISPATCHES}, got {self.dispatch!r}")
+
+  @property
+  def shared_mlp_dim(self) -> int:
+    return self.expert_mlp_dim * self.num_shared_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +116,9 @@ class ModelConfig:
   # (config.json `d2f_attention`, else 'bidirectional' for the released LLaDA / Dream; d2f_model.json) and by the
   # trainer from its objective. None: unknown (a model built in memory), nothing is checked.
   attention_kind: str | None = None
+  qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE (LLaDA2)
+  rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of a head, the rest pass (None: head_dim)
+  moe: MoEConfig | None = None  # mixture-of-experts MLPs after moe.first_dense_layers dense ones (LLaDA2)
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -78,6 +132,13 @@ class ModelConfig:
           f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for half-split RoPE, got {self.head_dim}")
+    rotary = self.rotary_dim
+    if rotary is not None and (not isinstance(rotary, int) or rotary <= 0 or rotary % 2 or rotary > self.head_dim):
+      raise ValueError(f"ModelConfig.rotary_dim must be None or an even int in (0, head_dim={self.head_dim}], "
+                       f"got {rotary!r}")
+    if self.moe is not None and self.moe.first_dense_layers > self.num_layers:
+      raise ValueError(f"ModelConfig.moe.first_dense_layers ({self.moe.first_dense_layers}) exceeds num_layers "
+                       f"({self.num_layers})")
     for field in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, field))
@@ -102,6 +163,11 @@ class ModelConfig:
   def group_size(self) -> int:
     """Query heads per KV head (GQA)."""
     return self.num_heads // self.num_kv_heads
+
+  @property
+  def dense_layers(self) -> int:
+    """Layers with a dense MLP (the `layers` stack); the rest (`moe_layers`) are mixture-of-experts."""
+    return self.num_layers if self.moe is None else self.moe.first_dense_layers
 
   def unrolls_layers(self, cached: bool) -> bool:
     """Whether a forward (`cached`: against a KV cache) runs its layers as a Python loop, not a scan."""
@@ -171,8 +237,29 @@ TINY_DREAM = ModelConfig(
     eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=503, family="dream",
     max_positions=131072)
 
+# LLaDA2.0 (inclusionAI, BailingMoeV2 layout): block diffusion (block 32) on a sigmoid-routed MoE with one
+# shared expert, fused q/k/v with per-head q/k RMSNorm, RoPE on half of each head, GQA 4 KV heads.
+_LLADA2_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892, bos_token_id=None,
+                   eot_token_id=None)
+LLADA2_MINI = ModelConfig(
+    vocab_size=157184, embed_dim=2048, num_layers=20, num_heads=16, num_kv_heads=4, head_dim=128, mlp_dim=5120,
+    rope_theta=600000.0, norm_eps=1e-6, family="llada2", dtype="bfloat16", param_dtype="bfloat16",
+    max_positions=16384, qk_norm=True, rotary_dim=64, attention_kind="block_causal", **_LLADA2_IDS,
+    moe=MoEConfig(num_experts=256, experts_per_token=8, expert_mlp_dim=512, num_shared_experts=1, num_groups=8,
+                  groups_kept=4, routed_scaling=2.5, first_dense_layers=1))
+LLADA2_FLASH = LLADA2_MINI.replace(
+    embed_dim=4096, num_layers=32, num_heads=32, mlp_dim=9216,
+    moe=dataclasses.replace(LLADA2_MINI.moe, expert_mlp_dim=1024))
+TINY_LLADA2 = ModelConfig(
+    vocab_size=512, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96,
+    rope_theta=600000.0, norm_eps=1e-6, family="llada2", qk_norm=True, rotary_dim=8, max_positions=4096,
+    mask_token_id=500, eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=None,
+    moe=MoEConfig(num_experts=8, experts_per_token=3, expert_mlp_dim=24, num_shared_experts=1, num_groups=2,
+                  groups_kept=1, routed_scaling=2.5, first_dense_layers=1))
+
 PRESETS: dict[str, ModelConfig] = {
     "llada-8b": LLADA_8B, "dream-7b": DREAM_7B, "tiny-llada": TINY_LLADA, "tiny-dream": TINY_DREAM,
+    "llada2-mini": LLADA2_MINI, "llada2-flash": LLADA2_FLASH, "tiny-llada2": TINY_LLADA2,
 }
 
 

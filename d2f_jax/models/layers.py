@@ -17,19 +17,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return normed.astype(x.dtype) * weight.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Half-split rotary embedding (HF `rotate_half` convention) over the full head, angles in fp32.
+def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+  """Half-split rotary embedding (HF `rotate_half` convention), angles in fp32, over the first `rotary_dim`
+  dims of each head (None: the whole head); the rest pass unchanged (LLaDA2's partial rotary).
 
   x: [B, T, N, D]; positions: [B, T] integer positions (padding may carry any value).
   """
-  head_dim = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [D/2]
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
+  rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))  # [R/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, R/2]
   sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
+  x1, x2 = jnp.split(x[..., :rotary_dim].astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  return rotated if rotary_dim == x.shape[-1] else jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from d2f_jax import kernels
 from d2f_jax.models import layers as L
 from d2f_jax.models.config import LoraConfig, ModelConfig
 from d2f_jax.models.kv_cache import KVCache
+from d2f_jax.models.moe import moe_mlp
 from d2f_jax.sharding.layout import constrain_batch
 from d2f_jax.sharding.rules import packed_axis
 
@@ -31,6 +32,7 @@ from d2f_jax.sharding.rules import packed_axis
 _PROJ_IO = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
             "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 PROJECTIONS: tuple[str, ...] = tuple(_PROJ_IO)
+ATTENTION_PROJECTIONS: tuple[str, ...] = ("q", "k", "v", "o")
 
 
 def proj_axes(name: str, config: ModelConfig) -> tuple[str, str]:
@@ -46,31 +48,58 @@ def proj_shape(name: str, config: ModelConfig) -> tuple[int, int]:
   return tuple(size[a] for a in _PROJ_IO[name])
 
 
+def moe_param_layout(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """Per-layer (shape, logical axes) of a MoE layer's MLP weights: the router [E, X] (its selection bias
+  [X], float32), the experts' gate / up [X, E, F] and down [X, F, E], the fused shared experts [E, Fs]."""
+  c, moe = config, config.moe
+  X, E, F = moe.num_experts, c.embed_dim, moe.expert_mlp_dim
+  layout = {"router": ((E, X), ("embed", "expert"))}
+  if moe.expert_bias:
+    layout["expert_bias"] = ((X,), ("expert",))
+  layout.update(expert_gate=((X, E, F), ("expert", "embed", "expert_mlp")),
+                expert_up=((X, E, F), ("expert", "embed", "expert_mlp")),
+                expert_down=((X, F, E), ("expert", "expert_mlp", "embed")))
+  if moe.num_shared_experts:
+    Fs = moe.shared_mlp_dim
+    layout.update(shared_gate=((E, Fs), ("embed", "mlp")), shared_up=((E, Fs), ("embed", "mlp")),
+                  shared_down=((Fs, E), ("mlp", "embed")))
+  return layout
+
+
 def _param(value, axes, kind=nnx.Param):
   return kind(value, out_sharding=axes, eager_sharding=False)
 
 
 class StackedLayers(nnx.Module):
-  """All decoder layers' weights, stacked [L, ...]."""
+  """`count` decoder layers' weights, stacked [count, ...]: dense-MLP layers, or (`moe`) layers whose MLP is
+  the mixture of experts of config.moe (models/moe.py)."""
 
-  def __init__(self, config: ModelConfig, lora: LoraConfig | None, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, lora: LoraConfig | None, *, rngs: nnx.Rngs, count: int | None = None,
+               moe: bool = False):
     c = config
     self.config = config
     self.lora = lora
     pdt = c.weight_dtype
-    nl = c.num_layers
+    nl = c.num_layers if count is None else count
     self.attn_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
     self.mlp_norm = _param(jnp.ones((nl, c.embed_dim), pdt), ("layers", "embed"))
-    for name in PROJECTIONS:
+    normal = lambda shape, fan_in: (jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5).astype(pdt)
+    for name in self.projections(moe):
       fan_in, fan_out = proj_shape(name, c)
-      init = jax.random.normal(rngs.params(), (nl, fan_in, fan_out), jnp.float32) * fan_in ** -0.5
-      setattr(self, name, _param(init.astype(pdt), ("layers", *proj_axes(name, c))))
+      setattr(self, name, _param(normal((nl, fan_in, fan_out), fan_in), ("layers", *proj_axes(name, c))))
     if c.qkv_bias:
       self.q_bias = _param(jnp.zeros((nl, c.num_heads, c.head_dim), pdt), ("layers", "heads", "head_dim"))
       self.k_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
       self.v_bias = _param(jnp.zeros((nl, c.num_kv_heads, c.head_dim), pdt), ("layers", "kv_heads", "head_dim"))
+    if c.qk_norm:
+      self.q_norm = _param(jnp.ones((nl, c.head_dim), pdt), ("layers", "head_dim"))
+      self.k_norm = _param(jnp.ones((nl, c.head_dim), pdt), ("layers", "head_dim"))
+    if moe:
+      for name, (shape, axes) in moe_param_layout(c).items():
+        value = jnp.zeros((nl, *shape), jnp.float32) if name == "expert_bias" else normal((nl, *shape), shape[-2])
+        setattr(self, name, _param(value, ("layers", *axes)))
     if lora is not None:
-      for name in lora.targets:
+      for name in (t for t in lora.targets if t in self.projections(moe)):
         fan_in, fan_out = proj_shape(name, c)
         axis_in, axis_out = proj_axes(name, c)
         # PEFT's default: A ~ kaiming-uniform-ish, B = 0, so a fresh adapter is the identity update.
@@ -79,6 +108,11 @@ class StackedLayers(nnx.Module):
         setattr(self, f"{name}_lora_a", _param(a.astype(pdt), ("layers", axis_in, "lora_rank"), nnx.LoRAParam))
         setattr(self, f"{name}_lora_b", _param(jnp.zeros((nl, lora.rank, fan_out), pdt),
                                                ("layers", "lora_rank", axis_out), nnx.LoRAParam))
+
+  @staticmethod
+  def projections(moe: bool) -> tuple[str, ...]:
+    """The [in, out] projections of a layer: attention's, and the dense MLP's unless the MLP is experts."""
+    return ATTENTION_PROJECTIONS if moe else PROJECTIONS
 
   def weights(self) -> dict[str, jax.Array]:
     """The stacked arrays as a plain dict, the scan's `xs`."""
@@ -118,8 +152,10 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
   v = heads(_project("v", h_v, w, lora, dtype, keys[2]))
   if config.qkv_bias:
     q, k, v = q + w["q_bias"].astype(dtype), k + w["k_bias"].astype(dtype), v + w["v_bias"].astype(dtype)
-  q = L.rope(q, positions, config.rope_theta)
-  k = L.rope(k, positions, config.rope_theta)
+  if config.qk_norm:  # per head, over head_dim, before the rotation (LLaDA2)
+    q, k = L.rms_norm(q, w["q_norm"], config.norm_eps), L.rms_norm(k, w["k_norm"], config.norm_eps)
+  q = L.rope(q, positions, config.rope_theta, config.rotary_dim)
+  k = L.rope(k, positions, config.rope_theta, config.rotary_dim)
   if cache_kv is None:
     attn = kernels.attend(q, k, v, q_ids, kv_ids, impl=config.attention_impl)  # [B, T, H, D]
   else:
@@ -130,6 +166,8 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
                                  layer=layer, impl=config.attention_impl)
   x = x + _project("o", attn.reshape(*attn.shape[:2], -1), w, lora, dtype, keys[3])  # attn [B, T, H * D]
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
+  if "router" in w:  # a mixture-of-experts layer
+    return x + moe_mlp(h, w, config.moe), (k, v)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
   x = x + _project("down", gated, w, lora, dtype, keys[6])
   return x, (k, v)
@@ -145,7 +183,9 @@ class Transformer(nnx.Module):
     pdt = c.weight_dtype
     emb = jax.random.normal(rngs.params(), (c.vocab_size, c.embed_dim), jnp.float32) * 0.02
     self.embedding = _param(emb.astype(pdt), ("vocab", "embed"))
-    self.layers = StackedLayers(config, lora, rngs=rngs)
+    self.layers = StackedLayers(config, lora, rngs=rngs, count=c.dense_layers)
+    if c.moe is not None:
+      self.moe_layers = StackedLayers(config, lora, rngs=rngs, count=c.num_layers - c.dense_layers, moe=True)
     self.final_norm = _param(jnp.ones((c.embed_dim,), pdt), ("embed",))
     if not c.tie_embeddings:
       head = jax.random.normal(rngs.params(), (c.embed_dim, c.vocab_size), jnp.float32) * c.embed_dim ** -0.5
@@ -159,37 +199,53 @@ class Transformer(nnx.Module):
       kv_ids = ids
     else:
       kv_ids = jnp.concatenate([cache.ids, ids], axis=1)  # [B, S + T]
-    weights = self.layers.weights()
     layer_keys = None if dropout_key is None else jax.random.split(dropout_key, c.num_layers)
     body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids,
                              cache_len=None if cache is None else cache.length)
+    cache_kv = None if cache is None else (cache.k, cache.v)  # [L, B, S, K, D] each: every stack's layers
+    window_k, window_v = [], []
+    for weights, first in self._stacks():  # the dense layers, then the mixture-of-experts ones
+      count = next(iter(weights.values())).shape[0]
+      keys = None if layer_keys is None else layer_keys[first:first + count]
+      x, (k, v) = self._run_stack(body, x, weights, first, keys, cache_kv)
+      window_k.append(k)
+      window_v.append(v)
+    k, v = (window_k[0], window_v[0]) if len(window_k) == 1 else (jnp.concatenate(window_k), jnp.concatenate(window_v))
+    return self._after_cache_reads(x, k, v, cached=cache is not None)
 
-    cache_kv = None if cache is None else (cache.k, cache.v)  # [L, B, S, K, D] each
+  def _stacks(self) -> list[tuple[dict, int]]:
+    """(stacked weights, index of their first layer) of each non-empty stack, in depth order."""
+    stacks = [(self.layers.weights(), 0)]
+    if self.config.moe is not None:
+      stacks.append((self.moe_layers.weights(), self.config.dense_layers))
+    return [(w, first) for w, first in stacks if next(iter(w.values())).shape[0]]
+
+  def _run_stack(self, body, x, weights: dict, first: int, layer_keys, cache_kv):
+    """Layers first .. first + count - 1 of one stack: a scan, or (ModelConfig.layer_loop) a Python loop of
+    static slices. Returns x and the window's K/V [count, B, T, K, D]."""
+    c, cached = self.config, cache_kv is not None
+    count = next(iter(weights.values())).shape[0]
 
     def step(x, xs):
       w, layer, key = xs  # a scan reads the stacked cache whole, at its counter `layer`
-      x, kv = body(x, w, cache_kv=cache_kv, layer=None if cache is None else layer, dropout_key=key)
+      x, kv = body(x, w, cache_kv=cache_kv, layer=layer if cached else None, dropout_key=key)
       return constrain_batch(x), kv
 
     if c.remat:  # recompute each layer in the backward pass: activation memory O(1) in depth
       step = jax.checkpoint(step)
-
-    if not c.unrolls_layers(cached=cache is not None):
-      counters = jnp.arange(c.num_layers, dtype=jnp.int32)
-      x, (k, v) = jax.lax.scan(step, x, (weights, counters, layer_keys))
-      return self._after_cache_reads(x, k, v, cached=cache is not None)
+    if not c.unrolls_layers(cached=cached):
+      counters = first + jnp.arange(count, dtype=jnp.int32)
+      return jax.lax.scan(step, x, (weights, counters, layer_keys))
     window_kv = []
-    for i in range(c.num_layers):  # static slices: fused into the matmuls, and the kernel reads cache layer i
-      block = functools.partial(body, cache_kv=cache_kv, layer=None if cache is None else i,
+    for i in range(count):  # static slices: fused into the matmuls, and the kernel reads cache layer first + i
+      block = functools.partial(body, cache_kv=cache_kv, layer=first + i if cached else None,
                                 dropout_key=None if layer_keys is None else layer_keys[i])
       if c.remat:
         block = jax.checkpoint(block)
       x, kv = block(x, {name: value[i] for name, value in weights.items()})
       x = constrain_batch(x)
       window_kv.append(kv)
-    k = jnp.stack([kv[0] for kv in window_kv])  # [L, B, T, K, D]
-    v = jnp.stack([kv[1] for kv in window_kv])
-    return self._after_cache_reads(x, k, v, cached=cache is not None)
+    return x, (jnp.stack([kv[0] for kv in window_kv]), jnp.stack([kv[1] for kv in window_kv]))  # [n, B, T, K, D]
 
   def _after_cache_reads(self, x, k, v, *, cached: bool):
     """Final norm; against a cache, the window's K/V are tied to the last layer's output first, so the

@@ -28,6 +28,8 @@ DEFAULT_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", "tensor"),  # experts split whole over the tensor axis (expert parallelism) ...
+    ("expert_mlp", "tensor"),  # ... or, where their count does not divide it, each expert's hidden dim
     ("vocab", "tensor"),
     ("layers", None),
     ("head_dim", None),

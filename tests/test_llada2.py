@@ -1,0 +1,149 @@
+"""LLaDA2 (the BailingMoeV2 mixture-of-experts family): a tiny random checkpoint in the released Hugging Face
+format through convert and load, logits against an independent float64 numpy forward of the checkpoint's own
+tensors (tests/llada2_reference.py) under the block-diffusion mask, the two expert dispatches against each
+other, the router against the reference's, a byte-identical export, and config.json fields that ask for
+another model refused by name."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import d2f_jax
+import llada2_reference as ref
+from d2f_jax.convert import synthetic
+from d2f_jax.convert.hf_config import ConfigError, config_from_hf, hf_config_from_model
+from d2f_jax.convert.hf_export import export_hf
+from d2f_jax.convert.hf_import import load_hf_params
+from d2f_jax.models import forward
+from d2f_jax.models.config import LLADA2_FLASH, LLADA2_MINI, TINY_LLADA2
+from d2f_jax.models.moe import route
+
+BLOCK = 8  # the tiny model's diffusion block (the released models use 32)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  hf_dir = tmp_path_factory.mktemp("llada2")
+  synthetic.write_hf_checkpoint(hf_dir, TINY_LLADA2, seed=3, dtype="float32", tokenizer=False)
+  return hf_dir, d2f_jax.load_model(str(hf_dir))
+
+
+def _tokens(n: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, TINY_LLADA2.mask_token_id, size=n)
+
+
+def _logits(model, tokens: np.ndarray, block: int = BLOCK, dispatch: str | None = None) -> np.ndarray:
+  positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+  graphdef = model.graphdef
+  if dispatch is not None:  # the same weights computed through the other expert dispatch
+    from flax import nnx
+    module = nnx.merge(model.graphdef, model.state)
+    module.config = module.layers.config = module.moe_layers.config = module.config.replace(
+        moe=dataclasses.replace(module.config.moe, dispatch=dispatch))
+    graphdef = nnx.split(module)[0]
+  logits, _ = forward(graphdef, model.state, jnp.asarray(tokens)[None], positions, positions // block)
+  return np.asarray(logits[0])
+
+
+def test_the_loaded_config_is_the_released_layout(checkpoint):
+  _, model = checkpoint
+  c = model.config
+  assert c.family == "llada2" and c.attention_kind == "block_causal" and c.qk_norm and c.rotary_dim == 8
+  assert c.moe == TINY_LLADA2.moe and c.dense_layers == 1
+
+
+def test_logits_match_the_independent_reference(checkpoint):
+  """Within 1e-4 in float32 against the float64 reference; a wrong mask (bidirectional) is far off."""
+  hf_dir, model = checkpoint
+  tokens = _tokens(21)
+  expected = ref.logits(str(hf_dir), tokens, BLOCK)
+  got = _logits(model, tokens)
+  np.testing.assert_allclose(got, expected, **TOL)
+  assert np.abs(_logits(model, tokens, block=64) - expected).max() > 1e-2  # one block: everything visible
+
+
+def test_dense_and_ragged_experts_agree(checkpoint):
+  _, model = checkpoint
+  tokens = _tokens(19, seed=1)
+  ragged, dense = _logits(model, tokens, dispatch="ragged"), _logits(model, tokens, dispatch="dense")
+  np.testing.assert_allclose(ragged, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_the_router_chooses_and_weighs_as_the_released_gate(checkpoint):
+  """Experts (as sets) and weights of the kept groups' top experts, against the reference gate."""
+  hf_dir, model = checkpoint
+  config, tensors = ref.load(str(hf_dir))
+  x = np.random.default_rng(2).standard_normal((64, TINY_LLADA2.embed_dim))
+  want_experts, want_weights = ref.route(x, tensors, "model.layers.1.mlp", config)
+  w = {k: v[0] for k, v in model.state["moe_layers"].items() if k in ("router", "expert_bias")}
+  experts, weights = route(jnp.asarray(x, jnp.float32), w["router"][...], w["expert_bias"][...], model.config.moe)
+  order = np.argsort(np.asarray(experts), axis=1)
+  want_order = np.argsort(want_experts, axis=1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, 1),
+                                np.take_along_axis(want_experts, want_order, 1))
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
+                             np.take_along_axis(want_weights, want_order, 1), rtol=1e-5)
+  groups = np.asarray(experts) // (TINY_LLADA2.moe.num_experts // TINY_LLADA2.moe.num_groups)
+  assert (groups == groups[:, :1]).all()  # one group kept of two: every choice inside it
+  assert len(np.unique(groups[:, 0])) == 2  # and both groups get chosen by some token
+
+
+def test_export_writes_the_same_tensors_and_config(checkpoint, tmp_path):
+  hf_dir, _ = checkpoint
+  config, params = load_hf_params(str(hf_dir), progress=False)
+  export_hf(tmp_path / "out", config, params, progress=False)
+  before, after = load_file(str(hf_dir / "model.safetensors")), load_file(str(tmp_path / "out/model.safetensors"))
+  assert sorted(before) == sorted(after)
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  assert config_from_hf(json.loads((tmp_path / "out/config.json").read_text())) == config
+
+
+@pytest.mark.parametrize("preset", [LLADA2_MINI, LLADA2_FLASH])
+def test_the_released_sizes_round_trip_through_config_json(preset):
+  assert config_from_hf(hf_config_from_model(preset)) == preset
+  counts = {"llada2-mini": 16.26e9, "llada2-flash": 102.9e9}
+  from d2f_jax.convert.mapping import param_shapes
+  total = sum(np.prod(s) for s in param_shapes(preset).values())
+  name = "llada2-mini" if preset is LLADA2_MINI else "llada2-flash"
+  assert abs(total - counts[name]) / counts[name] < 0.01, total
+
+
+@pytest.mark.parametrize("field, value", [("score_function", "softmax"), ("moe_router_enable_expert_bias", False),
+                                          ("norm_topk_prob", False), ("norm_head", True), ("use_bias", True),
+                                          ("rope_scaling", {"type": "yarn"}), ("hidden_act", "gelu"),
+                                          ("n_group", 3), ("partial_rotary_factor", 0.1)])
+def test_a_config_asking_for_another_model_is_refused_by_name(field, value):
+  raw = {**hf_config_from_model(TINY_LLADA2), field: value}
+  with pytest.raises(ConfigError) as error:
+    config_from_hf(raw, source="ck/config.json")
+  assert "ck/config.json" in str(error.value) and (field in str(error.value) or "experts" in str(error.value))
+
+
+def test_a_jitted_forward_compiles_once_for_both_stacks(checkpoint):
+  """Both stacks run inside one jitted forward, scanned (no cache) and unrolled (layer_loop='unroll')."""
+  _, model = checkpoint
+  tokens = _tokens(16, seed=4)
+  scanned = _logits(model, tokens)
+  from flax import nnx
+  module = nnx.merge(model.graphdef, model.state)
+  module.config = module.layers.config = module.moe_layers.config = module.config.replace(layer_loop="unroll")
+  positions = jnp.arange(16, dtype=jnp.int32)[None]
+  unrolled, _ = jax.jit(lambda t: module(t, positions, positions // BLOCK))(jnp.asarray(tokens)[None])
+  np.testing.assert_allclose(np.asarray(unrolled[0]), scanned, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_adapters_are_refused_with_the_reason(tmp_path):
+  """PEFT's LoRA names Linear modules; LLaDA2's q / k / v are one fused Linear: refused, not misplaced."""
+  from d2f_jax.convert.lora import AdapterError, export_peft_adapter, read_adapter_config
+  from d2f_jax.models.config import LoraConfig
+  with pytest.raises(AdapterError, match="fused"):
+    read_adapter_config(str(tmp_path), "llada2")
+  with pytest.raises(AdapterError, match="query_key_value"):
+    export_peft_adapter(tmp_path / "out", TINY_LLADA2, LoraConfig(rank=2), {})
