@@ -7,7 +7,7 @@ the mdm / ar objective: a full fine-tune of that checkpoint, or with `random` of
   python -m d2f_jax.distill --config configs/tiny.py --workdir /tmp/tiny
   python -m d2f_jax.distill --config configs/tiny.py:family=dream,full --workdir /tmp/tiny_dream
   python -m d2f_jax.distill --config configs/tiny.py:objective=mdm,random --workdir /tmp/tiny_mdm
-  arg: family=llada|dream, objective=distill|mdm|ar, full (full fine-tune instead of LoRA; implied by
+  arg: family=llada|dream|llada2, objective=distill|mdm|ar, full (full fine-tune instead of LoRA; implied by
        mdm / ar), random (fresh weights instead of the synthetic checkpoint; mdm / ar), runlocal (a few steps)
 """
 
@@ -16,8 +16,8 @@ from d2f_jax.train.config import base_config, parse_arg
 
 def get_config(arg=None):
   arg = parse_arg(arg, family="llada", objective="distill", full=False, random=False, runlocal=False)
-  if arg.family not in ("llada", "dream"):
-    raise ValueError(f"tiny.py: family must be llada or dream, got {arg.family!r}")
+  if arg.family not in ("llada", "dream", "llada2"):
+    raise ValueError(f"tiny.py: family must be llada, dream or llada2, got {arg.family!r}")
   c = base_config()
   c.objective = arg.objective
   c.model.init = "random" if arg.random else "path"
