@@ -247,3 +247,36 @@ def causal_greedy(model, prompt, *, max_new_tokens, stop_ids) -> dict:
   response = np.array(seq[len(prompt):] + [cfg.pad_token_id] * (max_new_tokens - len(seq) + len(prompt)))
   trace = np.where(np.arange(max_new_tokens) < len(seq) - len(prompt), np.arange(max_new_tokens), -1)
   return _finish(response, trace, stop_ids, cfg.pad_token_id, len(seq) - len(prompt))
+
+
+def llada2_block(model, prompt, *, block_size, max_new_tokens, steps, threshold, stop_ids) -> dict:
+  """LLaDA2's released generate, one row, greedy: blocks aligned to position 0 (the prompt unpadded), the
+  window up to the current block recomputed each step under the block-diffusion mask, every masked position
+  of the block above `threshold` accepted, else the schedule's count most confident; stop after a block once
+  the response holds a stop id."""
+  cfg = model.config
+  p = len(prompt)
+  total = -(-(p + max_new_tokens) // block_size) * block_size
+  seq = np.array(list(prompt) + [cfg.mask_token_id] * (total - p), np.int64)
+  trace = np.full(total - p, -1)
+  counts = [block_size // steps + (s < block_size % steps) for s in range(steps)]
+  forwards = 0
+  for b in range(p // block_size, total // block_size):
+    lo, hi = b * block_size, (b + 1) * block_size
+    for step in range(steps):
+      masked = [i for i in range(max(lo, p), hi) if seq[i] == cfg.mask_token_id]
+      if not masked:
+        break
+      probs = _softmax(_logits(model, seq[:hi], "block_causal", prompt_len=0, block_size=block_size))
+      forwards += 1
+      choice = {i: int(np.argmax(probs[i])) for i in masked}
+      conf = {i: float(probs[i][choice[i]]) for i in masked}
+      high = [i for i in masked if conf[i] > np.float32(threshold)]
+      k = min(counts[step], len(masked))
+      chosen = high if len(high) >= k else sorted(masked, key=lambda i: (-conf[i], i))[:k]
+      for i in chosen:
+        seq[i] = choice[i]
+        trace[i - p] = forwards - 1
+    if any(t in stop_ids for t in seq[p:hi]):
+      break
+  return _finish(seq[p:p + max_new_tokens], trace[:max_new_tokens], stop_ids, cfg.pad_token_id, forwards)

@@ -209,3 +209,24 @@ def test_distillation_trains_lora_on_both_stacks_and_leaves_the_experts(tmp_path
     assert b is not None and np.abs(b).max() > 0, (stack, sorted(trained))  # B starts at zero: it was trained
   assert not [k for k in trained if any(n in k for n in ("router", "expert", "shared"))], sorted(trained)
   trainer.close()
+
+
+@pytest.mark.parametrize("steps, tau_conf, stops", [(4, 0.9, ()), (2, 0.5, ()), (4, 0.3, None)])
+def test_llada2s_own_sampler_matches_its_released_loop(sharp, steps, tau_conf, stops):
+  """method='llada2' (batched, jitted) against a plain transcription of the released generate, row by row:
+  prompts ending inside a block (its prompt part fixed) and on a block boundary; the default stop ids end a
+  row after the block holding one."""
+  import decode_reference
+  from d2f_jax.decode import DecodeConfig, generate
+  prompts = PROMPTS + [[5, 6, 7, 8, 9, 10, 11, 12]]
+  config = DecodeConfig(method="llada2", block_size=4, max_new_tokens=16, steps=steps, tau_conf=tau_conf,
+                        prompt_buckets=16, stop_ids=stops)
+  stop_ids = set(stops) if stops is not None else {sharp.config.eos_token_id}
+  result = generate(sharp, prompts, config)
+  for row, prompt in enumerate(prompts):
+    want = decode_reference.llada2_block(sharp, prompt, block_size=4, max_new_tokens=16, steps=steps,
+                                         threshold=tau_conf, stop_ids=stop_ids)
+    where = f"row {row} (prompt of {len(prompt)})"
+    np.testing.assert_array_equal(np.asarray(result.tokens[row]), want["tokens"], err_msg=where)
+    assert int(result.lengths[row]) == want["length"] and int(result.forwards[row]) == want["forwards"], where
+    np.testing.assert_array_equal(np.asarray(result.trace[row]), want["trace"], err_msg=where)

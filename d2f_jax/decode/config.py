@@ -44,7 +44,8 @@ class DecodeConfig:
   method: 'd2f' pipelined block decoding with a KV cache; 'threshold' = d2f with tau_add 1 and one block
     in flight (training-free threshold decoding with a prefix cache, Fast-dLLM style); 'vanilla' = LLaDA
     semi-autoregressive low-confidence remasking (no cache, `steps` spread evenly over the blocks);
-    'dream_vanilla' = Dream's whole-response ordering by `alg` in `steps` steps; 'ar' = KV-cached
+    'dream_vanilla' = Dream's whole-response ordering by `alg` in `steps` steps; 'llada2' = LLaDA2's own
+    block sampler (decode/block_sampler.py; `steps` per block, threshold tau_conf); 'ar' = KV-cached
     next-token decoding that treats the model as a causal LM (causal attention, row i predicts token i+1).
   max_blocks_in_flight: a cap on the blocks decoding at once (d2f), or None for no cap, as in the authors'
     loop (the default: a cap changes which tokens come out, so it is a speed option, not a default).
@@ -85,7 +86,7 @@ class DecodeConfig:
   temperature: float = 0.0
   top_p: float = 1.0
   top_k: int = 0  # sample among the k most probable tokens only; 0: off
-  steps: int | None = None  # vanilla / dream_vanilla; None = max_new_tokens (one token per step)
+  steps: int | None = None  # vanilla / dream_vanilla (all), llada2 (per block); None: one token per step
   alg: DreamAlg = "confidence"
   stop_ids: tuple[int, ...] | None = None
   prompt_buckets: int | tuple[int, ...] = 64
@@ -284,7 +285,7 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
   if model.attention_kind is not None:
     check_method_fits(model, config, model.attention_kind)
   run = config.effective()
-  steps = run.steps if run.steps is not None else run.max_new_tokens  # default: one token per step
+  steps = run.steps if run.steps is not None else run.block_size if run.method == "llada2" else run.max_new_tokens
   cap = in_flight_cap(run)
   window_blocks = min(cap + 1, run.max_new_tokens // run.block_size)
   widths = window_widths_for(run.window_widths, window_blocks)

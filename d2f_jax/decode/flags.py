@@ -58,7 +58,8 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--temperature", type=float, default=_DEFAULTS.temperature, help="0: greedy")
   parser.add_argument("--top_p", type=float, default=_DEFAULTS.top_p, help="nucleus sampling mass (1: off)")
   parser.add_argument("--top_k", type=int, default=_DEFAULTS.top_k, help="sample among the k most probable (0: off)")
-  parser.add_argument("--steps", type=int, default=None, help="vanilla / dream_vanilla steps (default: one per token)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="vanilla / dream_vanilla steps, llada2 steps per block (default: one per token)")
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")

@@ -9,9 +9,9 @@ from typing import Literal
 from d2f_jax.convert.hf_config import ATTENTION_KEY  # config.json: how a model was trained to attend
 from d2f_jax.models import ModelConfig
 
-Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "ar"]
-METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "ar")
-DIFFUSION_METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla")
+Method = Literal["d2f", "threshold", "vanilla", "dream_vanilla", "llada2", "ar"]
+METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "llada2", "ar")
+DIFFUSION_METHODS: tuple[str, ...] = ("d2f", "threshold", "vanilla", "dream_vanilla", "llada2")
 
 
 def model_attention(model) -> str | None:

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import jax
 from flax import nnx
 
-from d2f_jax.decode import baselines, pipeline
+from d2f_jax.decode import baselines, block_sampler, pipeline
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state, replicate
 from d2f_jax.decode.result import DecodeResult
@@ -37,6 +37,8 @@ ALGORITHMS = {  # by DecodeSpec.method ('threshold' resolves to d2f)
     "d2f": Algorithm(pipeline.init, pipeline.step, pipeline.running, pipeline.finish, pipeline.settled),
     "vanilla": _FULL,
     "dream_vanilla": _FULL,
+    "llada2": Algorithm(block_sampler.init, block_sampler.step, block_sampler.running, block_sampler.finish,
+                        block_sampler.settled),
     "ar": Algorithm(baselines.init_ar, baselines.step_ar, baselines.running_ar, baselines.finish_ar,
                     baselines.settled_ar),
 }

@@ -1,0 +1,115 @@
+"""LLaDA2's own block-diffusion sampler (the released checkpoints' `generate`), batched and jitted, on the
+init / step / finish contract of the other decoders: method 'llada2'.
+
+Blocks are aligned to absolute position 0 (block b holds positions [b * B, (b + 1) * B)); the prompt is not
+padded, so the first block decoded is the one holding the prompt's end, its prompt part fixed. Attention is
+block-diffusion: a key is visible iff its block <= the query's. Each step recomputes the sequence (no cache,
+as the released loop) and, in the row's current block, accepts every masked position whose confidence
+exceeds tau_conf (strictly), or, when fewer than the schedule's count for this step do, the count most
+confident ones (an even split of the block over `steps` steps, remainder first). A block ends when it has no
+mask left or after `steps` steps; a row stops after a block when its response so far holds a stop id, or
+after the block holding position prompt_len + max_new_tokens - 1. Rows are independent (each at its own
+block and step), so a row decodes as it would alone.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2f_jax.decode.baselines import llada_transfer_counts
+from d2f_jax.decode.config import DecodeSpec, Knobs
+from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
+from d2f_jax.decode.sampling import choose_tokens, is_stop, rank_descending, row_keys, split_rows
+from d2f_jax.models import PAD_ID, align_logits
+
+
+@flax.struct.dataclass
+class BlockState:
+  tokens: jax.Array  # [B, P + N + block] int32: the left-padded prompt, then the response and one block of room
+  prompt_len: jax.Array  # [B] int32
+  block: jax.Array  # [B] int32: the row's current block (absolute index)
+  block_step: jax.Array  # [B] int32: steps taken in it
+  done: jax.Array  # [B] bool
+  forwards: jax.Array  # [B] int32
+  trace: jax.Array  # [B, N + block] int32: the row's forward that accepted each response position
+  key: jax.Array  # [B] one PRNG key per row (sampling.row_keys)
+
+
+def _room(spec: DecodeSpec) -> int:
+  """Response columns: the last block can run up to block - 1 positions past max_new_tokens."""
+  return spec.max_new_tokens + spec.block_size
+
+
+def _last_block(prompt_len: jax.Array, spec: DecodeSpec) -> jax.Array:
+  return (prompt_len + spec.max_new_tokens - 1) // spec.block_size  # [B]
+
+
+def init(model, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec) -> BlockState:
+  del model, knobs
+  batch, room = prompt.shape[0], _room(spec)
+  prompt_len = prompt_len.astype(jnp.int32)
+  response = jnp.full((batch, room), spec.model.mask_token_id, jnp.int32)
+  return BlockState(tokens=jnp.concatenate([prompt.astype(jnp.int32), response], axis=1), prompt_len=prompt_len,
+                    block=prompt_len // spec.block_size, block_step=jnp.zeros((batch,), jnp.int32),
+                    done=jnp.zeros((batch,), jnp.bool_), forwards=jnp.zeros((batch,), jnp.int32),
+                    trace=jnp.full((batch, room), -1, jnp.int32), key=row_keys(key, batch))
+
+
+def _response_logits(model, state: BlockState, spec: DecodeSpec) -> jax.Array:
+  """Aligned logits [B, N + block, V] of the response columns under the block-diffusion mask."""
+  width = state.tokens.shape[1] - _room(spec)
+  cols = jnp.arange(state.tokens.shape[1], dtype=jnp.int32)[None, :]
+  positions = cols - (width - state.prompt_len)[:, None]  # [B, W]: negative on the left padding
+  ids = jnp.where(positions >= 0, positions // spec.block_size, PAD_ID).astype(jnp.int32)
+  hidden, _ = model.hidden_states(state.tokens, jnp.maximum(positions, 0), ids)  # [B, W, E]
+  raw = model.logits_from_hidden(hidden[:, width - 1:])  # [B, 1 + N + block, V]
+  return align_logits(raw[:, 1:], spec.model, previous=raw[:, 0])
+
+
+def step(model, state: BlockState, knobs: Knobs, spec: DecodeSpec) -> BlockState:
+  """One forward; each live row accepts positions of its current block, and moves on or stops after it."""
+  width = state.tokens.shape[1] - _room(spec)
+  key, sub = split_rows(state.key, spec.sample)
+  choice, confidence, _ = choose_tokens(_response_logits(model, state, spec), sub, knobs, spec.sample)
+  response = state.tokens[:, width:]  # [B, N + block]
+  position = state.prompt_len[:, None] + jnp.arange(response.shape[1])[None, :]  # [B, N + block]
+  in_block = position // spec.block_size == state.block[:, None]
+  live = ~state.done
+  candidate = (response == spec.model.mask_token_id) & in_block & live[:, None]
+  counts = jnp.asarray(llada_transfer_counts(spec.block_size, spec.steps))  # [steps]
+  need = jnp.minimum(counts[jnp.minimum(state.block_step, spec.steps - 1)], candidate.sum(axis=1))  # [B]
+  tau = knobs.tau_conf if jnp.ndim(knobs.tau_conf) == 0 else knobs.tau_conf[:, None]
+  confident = candidate & (confidence > tau)
+  most = candidate & (rank_descending(jnp.where(candidate, confidence, -jnp.inf)) < need[:, None])
+  accept = jnp.where((confident.sum(axis=1) >= need)[:, None], confident, most)
+  response = jnp.where(accept, choice, response)
+  trace = jnp.where(accept, state.forwards[:, None], state.trace)
+  left = ((response == spec.model.mask_token_id) & in_block).any(axis=1)
+  block_step = state.block_step + live
+  ended = live & (~left | (block_step >= spec.steps))  # the block is over for these rows
+  block_end = (state.block + 1) * spec.block_size  # [B]: first position after it
+  seen = position < block_end[:, None]
+  last = state.block >= _last_block(state.prompt_len, spec)
+  stopped = (is_stop(response, knobs.stop_ids) & seen).any(axis=1) | last
+  return state.replace(tokens=state.tokens.at[:, width:].set(response), trace=trace, key=key,
+                       block=state.block + (ended & ~stopped), block_step=jnp.where(ended, 0, block_step),
+                       done=state.done | (ended & stopped), forwards=state.forwards + live)
+
+
+def running(state: BlockState, spec: DecodeSpec) -> jax.Array:
+  return ~state.done.all()
+
+
+def finish(state: BlockState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
+  width = state.tokens.shape[1] - _room(spec)
+  n = spec.max_new_tokens
+  return make_result(state.tokens[:, width:width + n], state.trace[:, :n], knobs.stop_ids, spec.model.pad_token_id,
+                     state.forwards)
+
+
+def settled(state: BlockState, spec: DecodeSpec) -> list[int]:
+  """Row 0's decoded response prefix (no mask before it), on the host."""
+  width = state.tokens.shape[1] - _room(spec)
+  return decoded_prefix(state.tokens[0, width:width + spec.max_new_tokens], spec.model.mask_token_id)
