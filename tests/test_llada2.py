@@ -230,3 +230,76 @@ def test_llada2s_own_sampler_matches_its_released_loop(sharp, steps, tau_conf, s
     np.testing.assert_array_equal(np.asarray(result.tokens[row]), want["tokens"], err_msg=where)
     assert int(result.lengths[row]) == want["length"] and int(result.forwards[row]) == want["forwards"], where
     np.testing.assert_array_equal(np.asarray(result.trace[row]), want["trace"], err_msg=where)
+
+
+def test_the_openai_server_serves_a_llada2_checkpoint(tmp_path):
+  """The real server process on a tiny LLaDA2 checkpoint (released format, with tokenizer), driven by the
+  official openai client: completions and streams equal batch-one generate."""
+  from safetensors.numpy import save_file
+  from test_serve_server import Server
+  checkpoint = tmp_path / "tiny_llada2"
+  synthetic.write_hf_checkpoint(checkpoint, TINY_LLADA2, seed=0, dtype="float32")
+  weights = load_file(str(checkpoint / "model.safetensors"))
+  weights["lm_head.weight"] = weights["lm_head.weight"] * 4.0  # clear greedy choices
+  save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+  server = Server(checkpoint, tmp_path / "server.log")
+  try:
+    prompts = ["w5 w7 w9", "w11 w13 w17 w19 w23"]
+    model = d2f_jax.load_model(str(checkpoint))
+    texts = model.generate(prompts, prompt_buckets=32, block_size=4, max_new_tokens=16)
+    assert all(texts), texts
+    server.wait_ready()
+    for prompt, text in zip(prompts, texts):
+      got = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=16)
+      assert got.choices[0].text == text, prompt
+    chunks = list(server.client.completions.create(model="tiny", prompt=prompts[1], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[1]
+  finally:
+    server.stop()
+
+
+_SHARDED_CHILD = """
+import dataclasses, json
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_disable_most_optimizations", True)
+from d2f_jax.api import Model
+from d2f_jax.decode import DecodeConfig, generate
+from d2f_jax.models.config import TINY_LLADA2
+from d2f_jax.sharding import make_mesh
+from model_utils import random_model
+assert jax.device_count() == 4, jax.devices()
+model = Model.from_module(random_model(TINY_LLADA2.replace(attention_kind="block_causal"), seed=0))
+prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+out = {}
+for method in ("d2f", "llada2"):
+  config = DecodeConfig(method=method, block_size=4, max_new_tokens=16, tau_conf=0.05, prompt_buckets=8)
+  host = lambda r: {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(r).items()}
+  ref = host(jax.block_until_ready(generate(model, prompts, config)))
+  for name, sizes in (("t4", dict(tensor=4)), ("d2t2", dict(data=2, tensor=2))):
+    sharded = model.shard(make_mesh(sizes, jax.devices()))
+    got = host(jax.block_until_ready(generate(sharded, prompts, config)))
+    spec = sharded.state["moe_layers"]["expert_gate"][...].sharding.spec
+    out[f"{method}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "expert_spec": [str(e) for e in spec],
+                               "lengths": got["lengths"]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sharded_decode_splits_the_experts_and_equals_one_device():
+  """On 4 fake CPU devices the experts are split over the tensor axis ('expert' rule: 2 of 8 per device)
+  and d2f / llada2 decoding is token-identical to one device (tensor 4, and data 2 x tensor 2)."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+         "TF_CPP_MIN_LOG_LEVEL": "3",
+         "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])}
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD], env=env, capture_output=True, text=True,
+                        timeout=540, cwd=root)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  runs = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+  for name, r in runs.items():
+    assert r["diff"] == [] and all(n > 0 for n in r["lengths"]), (name, r)
+    assert r["expert_spec"][:2] == ["None", "tensor"], (name, r["expert_spec"])  # [L, X, E, F]: X split
