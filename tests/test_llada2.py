@@ -280,8 +280,8 @@ for method in ("d2f", "llada2"):
     sharded = model.shard(make_mesh(sizes, jax.devices()))
     got = host(jax.block_until_ready(generate(sharded, prompts, config)))
     spec = sharded.state["moe_layers"]["expert_gate"][...].sharding.spec
-    out[f"{method}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "expert_spec": [str(e) for e in spec],
-                               "lengths": got["lengths"]}
+    out[f"{method}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "lengths": got["lengths"],
+                               "expert_spec": [str(e) for e in spec]}
 print("RESULT" + json.dumps(out))
 """
 
