@@ -193,7 +193,8 @@ def test_the_engine_serves_llada2_requests_as_alone(sharp):
 
 def test_distillation_trains_lora_on_both_stacks_and_leaves_the_experts(tmp_path):
   """Two distillation steps of the tiny recipe on LLaDA2: the adapters on the attention of the dense and of
-  the expert layers move; nothing of the router, its bias or the experts is trainable (frozen base)."""
+  the expert layers move; nothing of the router, its bias or the experts is trainable (frozen base); the
+  router's load is logged."""
   from test_robust_train import tiny_config
   from d2f_jax.train.trainer import Trainer
   config = tiny_config(total_steps=2)
@@ -202,6 +203,9 @@ def test_distillation_trains_lora_on_both_stacks_and_leaves_the_experts(tmp_path
   history = trainer.run(num_steps=2)
   assert [h["step"] for h in history if "loss" in h] == [1, 2]
   assert all(np.isfinite(h["loss"]) for h in history if "loss" in h)
+  steps = [h for h in history if "loss" in h]  # the router's load is logged every step
+  assert all(1.0 <= h["router_max_load"] <= TINY_LLADA2.moe.num_experts and 0.0 <= h["router_unused"] < 1.0
+             for h in steps), steps
   leaves = jax.tree_util.tree_leaves_with_path(trainer.state.params)
   trained = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
   for stack in ("layers", "moe_layers"):
@@ -303,3 +307,11 @@ def test_sharded_decode_splits_the_experts_and_equals_one_device():
   for name, r in runs.items():
     assert r["diff"] == [] and all(n > 0 for n in r["lengths"]), (name, r)
     assert r["expert_spec"][:2] == ["None", "tensor"], (name, r["expert_spec"])  # [L, X, E, F]: X split
+
+
+def test_router_metrics_summarise_the_load():
+  from d2f_jax.train.router_stats import router_metrics
+  load = jnp.asarray([[3.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # [L, X]: a skewed layer and an even one
+  got = {k: float(v) for k, v in router_metrics({"expert_load": load}).items()}
+  assert got == pytest.approx({"router_max_load": (0.75 * 4 + 0.25 * 4) / 2, "router_unused": 2 / 8})
+  assert router_metrics({"ce": 1.0}) == {}

@@ -76,8 +76,9 @@ def experts_ragged(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array
   return jnp.zeros((n, h.shape[-1]), jnp.float32).at[token].add(weighted)
 
 
-def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> jax.Array:
-  """The MoE MLP of normed hidden states h [B, T, E] -> [B, T, E] in h's dtype."""
+def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
+  """The MoE MLP of normed hidden states h [B, T, E] -> ([B, T, E] in h's dtype, the tokens each expert took
+  [X] float32: the router's load, for training diagnostics)."""
   batch, length, embed = h.shape
   tokens = h.reshape(-1, embed)  # [N, E]
   with jax.named_scope("router"):
@@ -90,4 +91,5 @@ def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> jax.Array:
       gate = jnp.einsum("ne,ef->nf", tokens, w["shared_gate"].astype(h.dtype))
       up = jnp.einsum("ne,ef->nf", tokens, w["shared_up"].astype(h.dtype))
       out = out + jnp.einsum("nf,fe->ne", _swiglu(gate, up), w["shared_down"].astype(h.dtype))
-  return out.reshape(batch, length, embed)
+  load = jnp.zeros((moe.num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+  return out.reshape(batch, length, embed), jax.lax.stop_gradient(load)

@@ -166,8 +166,9 @@ def _layer(config: ModelConfig, lora: LoraConfig | None, x, w, positions, q_ids,
                                  layer=layer, impl=config.attention_impl)
   x = x + _project("o", attn.reshape(*attn.shape[:2], -1), w, lora, dtype, keys[3])  # attn [B, T, H * D]
   h = L.rms_norm(x, w["mlp_norm"], config.norm_eps)
-  if "router" in w:  # a mixture-of-experts layer
-    return x + moe_mlp(h, w, config.moe), (k, v)
+  if "router" in w:  # a mixture-of-experts layer: its router's load [X] rides with the window's K/V
+    out, load = moe_mlp(h, w, config.moe)
+    return x + out, (k, v, load)
   gated = jax.nn.silu(_project("gate", h, w, lora, dtype, keys[4])) * _project("up", h, w, lora, dtype, keys[5])
   x = x + _project("down", gated, w, lora, dtype, keys[6])
   return x, (k, v)
@@ -191,8 +192,10 @@ class Transformer(nnx.Module):
       head = jax.random.normal(rngs.params(), (c.embed_dim, c.vocab_size), jnp.float32) * c.embed_dim ** -0.5
       self.lm_head = _param(head.astype(pdt), ("embed", "vocab"))
 
-  def hidden_states(self, tokens, positions, ids, cache: KVCache | None = None, *, dropout_key=None):
-    """Final-normed hidden states [B, T, E] and the window's K/V stacked [L, B, T, K, D]."""
+  def hidden_states(self, tokens, positions, ids, cache: KVCache | None = None, *, dropout_key=None,
+                    router_load: bool = False):
+    """Final-normed hidden states [B, T, E] and the window's K/V stacked [L, B, T, K, D]; with `router_load`
+    also the tokens each expert of each expert layer took [L - dense_layers, X] (None without experts)."""
     c = self.config
     x = constrain_batch(self.embedding[...].astype(c.compute_dtype)[tokens])  # [B, T, E]
     if cache is None:
@@ -203,15 +206,17 @@ class Transformer(nnx.Module):
     body = functools.partial(_layer, c, self.lora, positions=positions, q_ids=ids, kv_ids=kv_ids,
                              cache_len=None if cache is None else cache.length)
     cache_kv = None if cache is None else (cache.k, cache.v)  # [L, B, S, K, D] each: every stack's layers
-    window_k, window_v = [], []
+    window_k, window_v, load = [], [], None
     for weights, first in self._stacks():  # the dense layers, then the mixture-of-experts ones
       count = next(iter(weights.values())).shape[0]
       keys = None if layer_keys is None else layer_keys[first:first + count]
-      x, (k, v) = self._run_stack(body, x, weights, first, keys, cache_kv)
-      window_k.append(k)
-      window_v.append(v)
+      x, outputs = self._run_stack(body, x, weights, first, keys, cache_kv)
+      window_k.append(outputs[0])
+      window_v.append(outputs[1])
+      load = outputs[2] if len(outputs) == 3 else load  # [n, X]
     k, v = (window_k[0], window_v[0]) if len(window_k) == 1 else (jnp.concatenate(window_k), jnp.concatenate(window_v))
-    return self._after_cache_reads(x, k, v, cached=cache is not None)
+    hidden, kv = self._after_cache_reads(x, k, v, cached=cache is not None)
+    return (hidden, kv, load) if router_load else (hidden, kv)
 
   def _stacks(self) -> list[tuple[dict, int]]:
     """(stacked weights, index of their first layer) of each non-empty stack, in depth order."""
@@ -222,7 +227,7 @@ class Transformer(nnx.Module):
 
   def _run_stack(self, body, x, weights: dict, first: int, layer_keys, cache_kv):
     """Layers first .. first + count - 1 of one stack: a scan, or (ModelConfig.layer_loop) a Python loop of
-    static slices. Returns x and the window's K/V [count, B, T, K, D]."""
+    static slices. Returns x and the window's K/V [count, B, T, K, D] (and an expert stack's load [count, X])."""
     c, cached = self.config, cache_kv is not None
     count = next(iter(weights.values())).shape[0]
 
@@ -245,7 +250,7 @@ class Transformer(nnx.Module):
       x, kv = block(x, {name: value[i] for name, value in weights.items()})
       x = constrain_batch(x)
       window_kv.append(kv)
-    return x, (jnp.stack([kv[0] for kv in window_kv]), jnp.stack([kv[1] for kv in window_kv]))  # [n, B, T, K, D]
+    return x, tuple(jnp.stack(parts) for parts in zip(*window_kv))  # k, v [n, B, T, K, D] (and load [n, X])
 
   def _after_cache_reads(self, x, k, v, *, cached: bool):
     """Final norm; against a cache, the window's K/V are tied to the last layer's output first, so the

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from d2f_jax.models import Transformer, attention_ids
 from d2f_jax.train.chunks import token_cross_entropy
+from d2f_jax.train.router_stats import trained_hidden
 
 
 def target_mask(tokens: jax.Array, prompt_len: jax.Array, eos_token_id: int) -> jax.Array:
@@ -35,12 +36,12 @@ def ar_sums(model: Transformer, tokens: jax.Array, targets: jax.Array, *, dropou
   'correct'. tokens [B, T]; targets [B, T] bool from `target_mask`."""
   batch, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))  # [B, T]
-  hidden, _ = model.hidden_states(tokens, positions, attention_ids(positions, "causal"), dropout_key=dropout_key)
+  hidden, router = trained_hidden(model, tokens, positions, attention_ids(positions, "causal"), dropout_key=dropout_key)
   # Row i predicts token i + 1: shift targets left; the last row has no next token (weight 0).
   next_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # [B, T]
   weight = jnp.concatenate([targets[:, 1:], jnp.zeros_like(targets[:, :1])], axis=1).astype(jnp.float32)
   ce, correct = token_cross_entropy(model, hidden, next_tokens, chunk)  # [B, T]
-  return {"ce": jnp.sum(weight * ce), "targets": jnp.sum(weight), "correct": jnp.sum(weight * correct)}
+  return {"ce": jnp.sum(weight * ce), "targets": jnp.sum(weight), "correct": jnp.sum(weight * correct), **router}
 
 
 def summarize(sums: dict) -> dict:

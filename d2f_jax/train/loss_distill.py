@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from d2f_jax.models import Transformer, align_logits, attention_ids
 from d2f_jax.train.chunks import map_row_chunks
 from d2f_jax.train.masking import Noised
+from d2f_jax.train.router_stats import trained_hidden
 
 
 def soft_cross_entropy(teacher_logits: jax.Array, student_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -46,11 +47,11 @@ def distill_sums(teacher: Transformer, student: Transformer, noised: Noised, pro
   s_ids = attention_ids(positions, "block_causal", prompt_len=prompt_len, block_size=block_size)
   t_hidden, _ = teacher.hidden_states(noised.tokens, positions, t_ids)  # [B, T, E]
   t_hidden = jax.lax.stop_gradient(t_hidden)
-  s_hidden, _ = student.hidden_states(noised.tokens, positions, s_ids, dropout_key=dropout_key)
+  s_hidden, router = trained_hidden(student, noised.tokens, positions, s_ids, dropout_key=dropout_key)
   # Dream's shift moves whole output rows; logits are row-wise linear in hidden states, so shift those.
   t_hidden, s_hidden = align_logits(t_hidden, config), align_logits(s_hidden, config)
   ce, ent = _token_losses(teacher, student, t_hidden, s_hidden, chunk)  # [B, T]
   w = jax.lax.stop_gradient(noised.weight)  # 1 / p_i on masked positions, 0 elsewhere
   return {"ce": jnp.sum(w * ce), "kl": jnp.sum(w * (ce - ent)),
           "masked": jnp.sum(noised.masked.astype(jnp.float32)),
-          "response": jnp.sum(noised.response.astype(jnp.float32))}
+          "response": jnp.sum(noised.response.astype(jnp.float32)), **router}

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from d2f_jax.models import Transformer, align_logits, attention_ids
 from d2f_jax.train.chunks import token_cross_entropy
+from d2f_jax.train.router_stats import trained_hidden
 
 
 @flax.struct.dataclass
@@ -68,13 +69,13 @@ def mdm_sums(model: Transformer, noised: MdmNoised, *, dropout_key: jax.Array | 
   positions, the differentiated numerator), 'response' (its denominator), 'masked', 'correct'."""
   batch, length = noised.tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))  # [B, T]
-  hidden, _ = model.hidden_states(noised.tokens, positions, attention_ids(positions, "bidirectional"),
+  hidden, router = trained_hidden(model, noised.tokens, positions, attention_ids(positions, "bidirectional"),
                                   dropout_key=dropout_key)  # [B, T, E]
   hidden = align_logits(hidden, model.config)  # Dream: row i takes output i - 1 (row-wise, so on hidden states)
   ce, correct = token_cross_entropy(model, hidden, noised.clean, chunk)  # [B, T]
   masked = noised.masked.astype(jnp.float32)
   return {"ce": jnp.sum(jax.lax.stop_gradient(noised.weight) * ce), "masked": jnp.sum(masked),
-          "correct": jnp.sum(masked * correct), "response": jnp.sum(noised.response.astype(jnp.float32))}
+          "correct": jnp.sum(masked * correct), "response": jnp.sum(noised.response.astype(jnp.float32)), **router}
 
 
 def summarize(sums: dict) -> dict:

@@ -21,6 +21,7 @@ from d2f_jax.sharding import MeshLayout, layout_from_rules, mesh_layout
 from d2f_jax.train import objectives
 from d2f_jax.train.model import TrainModels
 from d2f_jax.train.optim import OptimSpec, learning_rate, make_optimizer
+from d2f_jax.train.router_stats import router_metrics
 from d2f_jax.train.schedule import Schedule
 from d2f_jax.train.state import TrainState, state_shardings
 
@@ -118,7 +119,7 @@ def loss_and_grads(spec: StepSpec, trainable: dict, frozen: dict, batch: dict, k
 
 def summarize(sums: dict, objective: str = "distill") -> dict:
   """Metrics ('loss', ...) of summed batches."""
-  return objectives.get(objective).summarize(sums)
+  return {**objectives.get(objective).summarize(sums), **router_metrics(sums)}
 
 
 def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> tuple[TrainState, dict]:
@@ -127,7 +128,7 @@ def train_step(spec: StepSpec, state: TrainState, frozen: dict, batch: dict) -> 
   opt = make_optimizer(spec.optim)
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {**spec.obj.summarize(sums), "grad_norm": optax.tree.norm(grads),
+  metrics = {**summarize(sums, spec.objective), "grad_norm": optax.tree.norm(grads),
              "lr": learning_rate(spec.optim)(state.step)}
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
 
