@@ -315,3 +315,31 @@ def test_router_metrics_summarise_the_load():
   got = {k: float(v) for k, v in router_metrics({"expert_load": load}).items()}
   assert got == pytest.approx({"router_max_load": (0.75 * 4 + 0.25 * 4) / 2, "router_unused": 2 / 8})
   assert router_metrics({"ce": 1.0}) == {}
+
+
+def test_the_prompt_attends_in_blocks_from_position_0():
+  """LLaDA2 was trained block-causally from position 0, so with ModelConfig.prompt_blocks its prompt is cut
+  in blocks too (ids numbered up to -1) while the response blocks still start at the prompt's end."""
+  from d2f_jax.models import attention_ids
+  positions = jnp.arange(14)[None]
+  got = attention_ids(positions, "block_causal", prompt_len=9, block_size=4, prompt_blocks=True)
+  assert got[0].tolist() == [-3] * 4 + [-2] * 4 + [-1] + [0] * 4 + [1]
+  plain = attention_ids(positions, "block_causal", prompt_len=9, block_size=4)
+  assert plain[0].tolist() == [-1] * 9 + [0] * 4 + [1]
+  assert TINY_LLADA2.prompt_blocks and LLADA2_MINI.prompt_blocks
+
+
+def test_d2f_on_llada2_decodes_with_its_prompt_blocks(sharp):
+  """The decoder honours prompt_blocks: a 9-token prompt (3 blocks of 4) decodes otherwise with the prompt
+  one bidirectional unit (the plain reference follows the config either way: see the test above it)."""
+  from d2f_jax.api import Model
+  from d2f_jax.decode import DecodeConfig, generate
+  from flax import nnx
+  config = DecodeConfig(block_size=4, max_new_tokens=16, prompt_buckets=16, tau_conf=0.5, tau_add=0.25, tau_act=0.5)
+  module = nnx.merge(sharp.graphdef, sharp.state)
+  flat = module.config.replace(prompt_blocks=False)
+  module.config = module.layers.config = module.moe_layers.config = flat
+  unit = Model.from_module(module)
+  prompts = [PROMPTS[1] * 2]
+  assert np.asarray(generate(sharp, prompts, config).tokens).tolist() != \
+      np.asarray(generate(unit, prompts, config).tokens).tolist()

@@ -69,7 +69,7 @@ def llada2_fields(hf: dict, source: str) -> dict[str, Any]:
               tie_embeddings=get_bool(hf, "tie_word_embeddings", source), logit_shift=False,
               max_positions=get_int(hf, "max_position_embeddings", source, default=None),
               qk_norm=get_bool(hf, "use_qk_norm", source, default=True),
-              rotary_dim=None if rotary_dim == head_dim else rotary_dim, moe=moe)
+              rotary_dim=None if rotary_dim == head_dim else rotary_dim, moe=moe, prompt_blocks=True)
 
 
 def llada2_json(config: ModelConfig, dtype: str, ids: dict) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import argmax_first, choose_tokens, is_stop, row_keys, split_rows
 from d2f_jax.decode.widths import narrowest
 from d2f_jax.models import PAD_ID, KVCache, align_logits
+from d2f_jax.models.attention import prompt_ids
 
 # Window block states, as the last forward saw them (`D2FState.blocks`).
 EMPTY, SEMI_ACTIVE, FULLY_ACTIVE, AWAITING_CACHE = 0, 1, 2, 3
@@ -135,7 +136,8 @@ def init(model, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array, knobs:
   win_ids = win_ids[:, :w]
   if spec.query_mode:  # only block 0's first q positions are fed: the later ones are invisible padding
     win_ids = jnp.where(jnp.arange(w)[None, :] < per_row(knobs.query_limit, 2), win_ids, PAD_ID)
-  ids = jnp.concatenate([jnp.where(is_prompt, -1, PAD_ID), win_ids], axis=1).astype(jnp.int32)
+  block_ids = prompt_ids(positions[:, :width], state.prompt_len[:, None], spec.block_size, config.prompt_blocks)
+  ids = jnp.concatenate([jnp.where(is_prompt, block_ids, PAD_ID), win_ids], axis=1).astype(jnp.int32)
   hidden, (k, v) = model.hidden_states(tokens, positions, ids, state.cache)  # hidden [B, P + w, E]
   cache = state.cache.write(k, v, ids, jnp.full((batch,), width, jnp.int32))  # the prompt only
   # The head runs on the window and the last prompt row only (Dream's shift takes its output).

@@ -5,6 +5,8 @@ Every pattern the project needs is one rule: key j is visible to query i iff `ke
 - causal: id = position;
 - block-causal (D2F student): prompt tokens -1, response token at position p has id (p - prompt_len) // B,
   so prompt rows see the prompt only and a response row sees the prompt, earlier blocks and its own block;
+  with `prompt_blocks` (LLaDA2, trained block-causally from position 0) the prompt is cut in blocks of B
+  from position 0 too, ids p // B - ceil(prompt_len / B) (all negative: every response row sees all of it);
 - padding: id PAD_ID (int32 max) on keys and queries, so real queries never see pads and pad queries see
   at least themselves (no all-masked softmax rows);
 - incremental decoding: cache slots keep the ids they were written with (empty slots PAD_ID), the window
@@ -32,6 +34,7 @@ def attention_ids(
     valid: jax.Array | None = None,
     prompt_len: jax.Array | int | None = None,
     block_size: int | None = None,
+    prompt_blocks: bool = False,
 ) -> jax.Array:
   """Per-token attention ids [B, T] int32 for `mode`.
 
@@ -51,9 +54,18 @@ def attention_ids(
     prompt_len = jnp.asarray(prompt_len, jnp.int32)
     prompt_len = jnp.broadcast_to(prompt_len.reshape(-1, 1) if prompt_len.ndim else prompt_len,
                                   (positions.shape[0], 1))
-    ids = jnp.where(positions < prompt_len, -1, (positions - prompt_len) // block_size)
+    ids = jnp.where(positions < prompt_len, prompt_ids(positions, prompt_len, block_size, prompt_blocks),
+                    (positions - prompt_len) // block_size)
   else:
     raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTENTION_MODES}")
   if valid is not None:
     ids = jnp.where(valid, ids, PAD_ID)
   return ids.astype(jnp.int32)
+
+
+def prompt_ids(positions: jax.Array, prompt_len: jax.Array, block_size: int, blocks: bool) -> jax.Array:
+  """Block-causal ids of prompt positions: -1 (the prompt one bidirectional unit, D2F's student), or with
+  `blocks` its blocks of `block_size` from position 0, numbered up to -1 (ModelConfig.prompt_blocks)."""
+  if not blocks:
+    return jnp.full_like(positions, -1)
+  return positions // block_size - (prompt_len + block_size - 1) // block_size

@@ -119,6 +119,9 @@ class ModelConfig:
   qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before RoPE (LLaDA2)
   rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of a head, the rest pass (None: head_dim)
   moe: MoEConfig | None = None  # mixture-of-experts MLPs after moe.first_dense_layers dense ones (LLaDA2)
+  # Block-causal attention cuts the prompt in blocks from position 0 (LLaDA2's training) instead of keeping it
+  # one bidirectional unit (D2F's student): models/attention.py.
+  prompt_blocks: bool = False
 
   def __post_init__(self):
     for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
@@ -244,7 +247,8 @@ _LLADA2_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=15689
 LLADA2_MINI = ModelConfig(
     vocab_size=157184, embed_dim=2048, num_layers=20, num_heads=16, num_kv_heads=4, head_dim=128, mlp_dim=5120,
     rope_theta=600000.0, norm_eps=1e-6, family="llada2", dtype="bfloat16", param_dtype="bfloat16",
-    max_positions=16384, qk_norm=True, rotary_dim=64, attention_kind="block_causal", **_LLADA2_IDS,
+    max_positions=16384, qk_norm=True, rotary_dim=64, attention_kind="block_causal", prompt_blocks=True,
+    **_LLADA2_IDS,
     moe=MoEConfig(num_experts=256, experts_per_token=8, expert_mlp_dim=512, num_shared_experts=1, num_groups=8,
                   groups_kept=4, routed_scaling=2.5, first_dense_layers=1))
 LLADA2_FLASH = LLADA2_MINI.replace(
@@ -253,6 +257,7 @@ LLADA2_FLASH = LLADA2_MINI.replace(
 TINY_LLADA2 = ModelConfig(
     vocab_size=512, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96,
     rope_theta=600000.0, norm_eps=1e-6, family="llada2", qk_norm=True, rotary_dim=8, max_positions=4096,
+    prompt_blocks=True,
     mask_token_id=500, eos_token_id=501, pad_token_id=501, bos_token_id=None, eot_token_id=None,
     moe=MoEConfig(num_experts=8, experts_per_token=3, expert_mlp_dim=24, num_shared_experts=1, num_groups=2,
                   groups_kept=1, routed_scaling=2.5, first_dense_layers=1))

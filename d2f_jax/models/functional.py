@@ -36,7 +36,8 @@ def logits_for_mode(graphdef, state, tokens, attention_mask, *, mode: AttentionM
   model = nnx.merge(graphdef, state)
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
-  ids = attention_ids(positions, mode, valid=valid, prompt_len=prompt_len, block_size=block_size)
+  ids = attention_ids(positions, mode, valid=valid, prompt_len=prompt_len, block_size=block_size,
+                      prompt_blocks=model.config.prompt_blocks)
   logits, _ = model(tokens, positions, ids)
   if align:
     logits = align_logits(logits, model.config, valid=valid)

@@ -44,7 +44,8 @@ def distill_sums(teacher: Transformer, student: Transformer, noised: Noised, pro
   config = student.config
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))  # [B, T]
   t_ids = attention_ids(positions, "bidirectional")
-  s_ids = attention_ids(positions, "block_causal", prompt_len=prompt_len, block_size=block_size)
+  s_ids = attention_ids(positions, "block_causal", prompt_len=prompt_len, block_size=block_size,
+                        prompt_blocks=config.prompt_blocks)
   t_hidden, _ = teacher.hidden_states(noised.tokens, positions, t_ids)  # [B, T, E]
   t_hidden = jax.lax.stop_gradient(t_hidden)
   s_hidden, router = trained_hidden(student, noised.tokens, positions, s_ids, dropout_key=dropout_key)
