@@ -150,13 +150,20 @@ def _field_kind(field: dataclasses.Field) -> str:
   return {"Family": "family"}.get(kind, kind)
 
 
-def model_config_from_dict(raw: Any, source: str, field: str = "config") -> ModelConfig:
-  """A ModelConfig from its dataclasses.asdict() form, every field's type checked and named."""
+def _known_fields(raw: Any, cls, source: str, field: str) -> tuple[dict, dict[str, dataclasses.Field]]:
+  """(raw as a JSON object, the dataclass's fields by name), refusing a field the dataclass does not have."""
   raw = require_object(raw, source, field)
-  fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+  fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(raw) - set(fields))
   if unknown:
-    raise ConfigError(f"{source}: field {field!r} has unknown ModelConfig field(s) {unknown}; known: {sorted(fields)}")
+    raise ConfigError(f"{source}: field {field!r} has unknown {cls.__name__} field(s) {unknown}; "
+                      f"known: {sorted(fields)}")
+  return raw, fields
+
+
+def model_config_from_dict(raw: Any, source: str, field: str = "config") -> ModelConfig:
+  """A ModelConfig from its dataclasses.asdict() form, every field's type checked and named."""
+  raw, fields = _known_fields(raw, ModelConfig, source, field)
   values = {}
   for name, f in fields.items():
     label, kind = f"{field}.{name}", _field_kind(f)
@@ -189,11 +196,7 @@ def model_config_from_dict(raw: Any, source: str, field: str = "config") -> Mode
 
 def moe_config_from_dict(raw: Any, source: str, field: str = "config.moe") -> MoEConfig:
   """A MoEConfig from its dataclasses.asdict() form, every field's type checked and named."""
-  raw = require_object(raw, source, field)
-  fields = {f.name: f for f in dataclasses.fields(MoEConfig)}
-  unknown = sorted(set(raw) - set(fields))
-  if unknown:
-    raise ConfigError(f"{source}: field {field!r} has unknown MoEConfig field(s) {unknown}; known: {sorted(fields)}")
+  raw, fields = _known_fields(raw, MoEConfig, source, field)
   values = {}
   for name, f in fields.items():
     label = f"{field}.{name}"
@@ -215,11 +218,7 @@ def moe_config_from_dict(raw: Any, source: str, field: str = "config.moe") -> Mo
 
 def lora_config_from_dict(raw: Any, source: str, field: str = "lora") -> LoraConfig:
   """A LoraConfig from its dataclasses.asdict() form, every field's type checked and named."""
-  raw = require_object(raw, source, field)
-  known = {f.name for f in dataclasses.fields(LoraConfig)}
-  unknown = sorted(set(raw) - known)
-  if unknown:
-    raise ConfigError(f"{source}: field {field!r} has unknown LoraConfig field(s) {unknown}; known: {sorted(known)}")
+  raw, _ = _known_fields(raw, LoraConfig, source, field)
   targets = raw.get("targets", list(LoraConfig.targets))
   if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
     raise ConfigError(f"{source}: field '{field}.targets' must be a list of target names, got {_short(targets)}")
