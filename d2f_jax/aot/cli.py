@@ -67,8 +67,9 @@ def define_flags(flag_values, argv: list[str]) -> None:
   flags.DEFINE_integer("prompt_len", 512, "Decode prompt width.", **f)
   flags.DEFINE_integer("new_tokens", 256, "Decode new tokens.", **f)
   flags.DEFINE_integer("block_size", 32, "Decode block size.", **f)
-  flags.DEFINE_bool("quick", False, "The config's family at tiny size (tiny-llada / tiny-dream), train seq_len 64 "
-                    "and one row per batch shard, decode prompt 64 + 32 tokens: checks the plumbing in seconds.", **f)
+  flags.DEFINE_bool("quick", False, "The config's family at tiny size (tiny-llada / tiny-dream / tiny-llada2), "
+                    "train seq_len 64 and one row per batch shard, decode prompt 64 + 32 tokens: checks the plumbing "
+                    "in seconds.", **f)
   flags.DEFINE_bool("no_compile", False, "Lower only (fits is then judged on the arguments).", **f)
   flags.DEFINE_integer("top", 0, "List this many of the largest per-device arrays.", **f)
   flags.DEFINE_string("json", None, "Write the reports here.", **f)
@@ -110,7 +111,7 @@ def adjust_config(config, spec: str, args):
       if field in config.data and config.data[field] is None:
         config.data[field] = "<not read by the compile check>"
     if args.quick:
-      family = "dream" if "dream" in (config.model.preset or "") else "llada"
+      family = next((f for f in ("llada2", "dream") if f in (config.model.preset or "")), "llada")
       config.model.preset, config.model.path, config.model.dtype = f"tiny-{family}", None, "float32"
       config.data.seq_len = 64
       config.loss_chunk = 0 if 64 % max(config.loss_chunk, 1) else config.loss_chunk

@@ -121,3 +121,24 @@ def test_required_turns_a_missing_compiler_into_a_failure(absent, tmp_path):
   assert outcomes["0"][0] == 0 and "1 skipped" in outcomes["0"][1], outcomes["0"][1]
   assert outcomes["1"][0] == 1 and "1 error" in outcomes["1"][1], outcomes["1"][1]
   assert "D2F_ACCEL_REQUIRED=1" in outcomes["1"][1] and "missing" in outcomes["1"][1], outcomes["1"][1]
+
+
+@pytest.mark.parametrize("target", [pytest.param("v5e-8", marks=pytest.mark.tpu),
+                                    pytest.param("8xh100", marks=pytest.mark.cuda)])
+def test_llada2_train_decode_and_serve_compile_and_fit(target, tmp_path):
+  """The mixture-of-experts family (tiny-llada2: experts as one grouped matmul, split over the tensor axis)
+  through the same programs: the distillation step, the D2F decode loop and the engine's programs compile with
+  the real compiler and fit."""
+  _, platform, n_devices, _, mesh, _ = TARGETS[target]
+  out = tmp_path / "aot.json"
+  args = ["--target", target, "--quick", "--mesh", mesh, "--batch", "2", "--slots", "4", "--json", str(out),
+          "--config", "configs/llada_8b.py", "--config.model.preset=llada2-mini"]
+  for program in ("train", "d2f_decode", "serve"):
+    args += ["--program", program]
+  proc = _aot(args)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  results = json.loads(out.read_text())["results"]
+  assert [(r["model"], r["program"]) for r in results] == [
+      ("tiny-llada2", p) for p in ("train", "d2f_decode", "serve_advance", "serve_insert")], results
+  for r in results:
+    assert (r["platform"], r["devices"]) == (platform, n_devices) and r["fits"] is True, r
