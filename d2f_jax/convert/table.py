@@ -83,7 +83,7 @@ class FamilyTable:
   def module(self, target: str) -> str:
     """HF module path ('...{i}.q_proj') of one of our LoRA targets ('q')."""
     for row in self.rows:
-      if row.paths in ((f"layers/{target}",), (f"{{stack}}/{target}",)):
+      if row.paths == (f"layers/{target}",):
         return row.hf[:-len(".weight")]
     raise KeyError(f"{self.family} has no module of its own for LoRA target {target!r}")
 

@@ -207,10 +207,9 @@ class Transformer(nnx.Module):
                              cache_len=None if cache is None else cache.length)
     cache_kv = None if cache is None else (cache.k, cache.v)  # [L, B, S, K, D] each: every stack's layers
     window_k, window_v, load = [], [], None
-    for weights, first in self._stacks():  # the dense layers, then the mixture-of-experts ones
-      count = next(iter(weights.values())).shape[0]
+    for weights, first, count in self._stacks():  # the dense layers, then the mixture-of-experts ones
       keys = None if layer_keys is None else layer_keys[first:first + count]
-      x, outputs = self._run_stack(body, x, weights, first, keys, cache_kv)
+      x, outputs = self._run_stack(body, x, weights, first, count, keys, cache_kv)
       window_k.append(outputs[0])
       window_v.append(outputs[1])
       load = outputs[2] if len(outputs) == 3 else load  # [n, X]
@@ -218,18 +217,18 @@ class Transformer(nnx.Module):
     hidden, kv = self._after_cache_reads(x, k, v, cached=cache is not None)
     return (hidden, kv, load) if router_load else (hidden, kv)
 
-  def _stacks(self) -> list[tuple[dict, int]]:
-    """(stacked weights, index of their first layer) of each non-empty stack, in depth order."""
-    stacks = [(self.layers.weights(), 0)]
-    if self.config.moe is not None:
-      stacks.append((self.moe_layers.weights(), self.config.dense_layers))
-    return [(w, first) for w, first in stacks if next(iter(w.values())).shape[0]]
+  def _stacks(self) -> list[tuple[dict, int, int]]:
+    """(stacked weights, index of their first layer, layer count) of each non-empty stack, in depth order."""
+    c = self.config
+    stacks = [(self.layers.weights(), 0, c.dense_layers)]
+    if c.moe is not None:
+      stacks.append((self.moe_layers.weights(), c.dense_layers, c.num_layers - c.dense_layers))
+    return [stack for stack in stacks if stack[2]]
 
-  def _run_stack(self, body, x, weights: dict, first: int, layer_keys, cache_kv):
+  def _run_stack(self, body, x, weights: dict, first: int, count: int, layer_keys, cache_kv):
     """Layers first .. first + count - 1 of one stack: a scan, or (ModelConfig.layer_loop) a Python loop of
     static slices. Returns x and the window's K/V [count, B, T, K, D] (and an expert stack's load [count, X])."""
     c, cached = self.config, cache_kv is not None
-    count = next(iter(weights.values())).shape[0]
 
     def step(x, xs):
       w, layer, key = xs  # a scan reads the stacked cache whole, at its counter `layer`
