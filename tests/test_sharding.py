@@ -120,6 +120,11 @@ _CHILD = textwrap.dedent("""
       return max(float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30))
                  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
+    def outliers(a, b):  # the fraction of entries off by more than 1e-4 of their leaf's scale, and the largest
+      pairs = [(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+      far = sum(int((np.abs(x - y) > 1e-4 * max(np.abs(x).max(), 1e-30)).sum()) for x, y in pairs)
+      return far / sum(x.size for x, _ in pairs), max(float(np.abs(x - y).max()) for x, y in pairs)
+
     one = sharding.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     eight = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
     out = {}
@@ -127,7 +132,7 @@ _CHILD = textwrap.dedent("""
                                       ("full", TINY_DREAM, None, 1)):
       l1, g1, s1, p1, _ = run(config, lora, one, micro)
       l8, g8, s8, p8, layouts = run(config, lora, eight, micro)
-      out[name] = {"loss": [l1, l8], "grad_rel": rel(g1, g8), "steps": [s1, s8], "param_rel": rel(p1, p8),
+      out[name] = {"loss": [l1, l8], "grad_rel": rel(g1, g8), "steps": [s1, s8], "param_outliers": outliers(p1, p8),
                    "layouts": layouts}
     print("RESULT" + json.dumps(out))
 """)
@@ -147,8 +152,12 @@ def test_2x2x2_mesh_matches_one_device():
     assert r["grad_rel"] < 1e-5, (name, r["grad_rel"])
     for a, b in zip(*r["steps"]):
       assert abs(a - b) <= 1e-5 * abs(a), (name, r["steps"])
-    # Adam divides each gradient entry by its own scale, so rounding in near-zero entries is amplified.
-    assert r["param_rel"] < 1e-4, (name, r["param_rel"])
+    # Adam divides each gradient entry by its own scale, so float rounding in a near-zero entry can move that
+    # parameter by up to lr a step either way (the summation order, and so the rounding, differs by CPU
+    # model). Sharding mistakes move many entries: at most 1 in 1000 may be off by 1e-4 of their tensor's
+    # scale, and none by more than Adam's bound, 2 steps x lr (1e-3) x 2 (the two signs).
+    fraction, largest = r["param_outliers"]
+    assert fraction < 1e-3 and largest <= 4e-3, (name, r["param_outliers"])
   # Weights really are split: embed over fsdp, heads over tensor; Adam moments follow their parameters.
   assert out["full"]["layouts"]["frozen_q"] == str(P(None, "fsdp", "tensor"))  # [L, E, H*D]: whole heads
   assert out["full"]["layouts"]["trainable_first"] == out["full"]["layouts"]["adam_mu_first"] != str(P())
