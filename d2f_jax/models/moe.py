@@ -6,6 +6,7 @@ Two ways to compute the experts, the same numbers up to float32 summation order 
   (`lax.ragged_dot`), so each token computes only its k experts: what prefill and large batches need;
 - `dense`: every expert on every token, weighted by a [N, X] combine matrix that is zero off the choices; no
   sort or gather, for the few tokens of a small decode step (and an independent check of `ragged`).
+Under a mesh layout with an expert axis, `ragged` runs expert-parallel (models/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from d2f_jax.models.config import MoEConfig
+from d2f_jax.models.expert_parallel import local_experts, sharded_experts, swiglu
 
 ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the released router does
 
@@ -43,16 +45,12 @@ def route(h: jax.Array, router: jax.Array, expert_bias: jax.Array | None,
   return experts.astype(jnp.int32), weights * moe.routed_scaling
 
 
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-  return jax.nn.silu(gate) * up
-
-
 def experts_dense(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array) -> jax.Array:
   """sum_k weight_k * expert_k(h) [N, E] in float32, computing every expert on every token."""
   dtype = h.dtype
   gate = jnp.einsum("ne,xef->nxf", h, w["expert_gate"].astype(dtype))  # [N, X, F]
   up = jnp.einsum("ne,xef->nxf", h, w["expert_up"].astype(dtype))
-  out = jnp.einsum("nxf,xfe->nxe", _swiglu(gate, up), w["expert_down"].astype(dtype))  # [N, X, E]
+  out = jnp.einsum("nxf,xfe->nxe", swiglu(gate, up), w["expert_down"].astype(dtype))  # [N, X, E]
   num_experts = w["expert_gate"].shape[0]
   combine = (jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)  # [N, X]
   return jnp.einsum("nxe,nx->ne", out.astype(jnp.float32), combine)
@@ -61,19 +59,9 @@ def experts_dense(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array)
 def experts_ragged(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array) -> jax.Array:
   """sum_k weight_k * expert_k(h) [N, E] in float32, each token through its k experts only: the N * k
   (token, expert) pairs sorted by expert, one grouped matmul per projection."""
-  dtype = h.dtype
   n, k = experts.shape
-  num_experts = w["expert_gate"].shape[0]
-  flat = experts.reshape(-1)  # [N * k]
-  order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-  token = order // k  # [N * k]: the token of each sorted pair
-  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # [X]
-  rows = h[token]  # [N * k, E]
-  gate = jax.lax.ragged_dot(rows, w["expert_gate"].astype(dtype), group_sizes)  # [N * k, F]
-  up = jax.lax.ragged_dot(rows, w["expert_up"].astype(dtype), group_sizes)
-  out = jax.lax.ragged_dot(_swiglu(gate, up), w["expert_down"].astype(dtype), group_sizes)  # [N * k, E]
-  weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-  return jnp.zeros((n, h.shape[-1]), jnp.float32).at[token].add(weighted)
+  out = local_experts(jnp.repeat(h, k, axis=0), experts.reshape(-1), w, 0).reshape(n, k, -1)  # [N, k, E]
+  return jnp.einsum("nke,nk->ne", out, weights)
 
 
 def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
@@ -83,13 +71,17 @@ def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array
   tokens = h.reshape(-1, embed)  # [N, E]
   with jax.named_scope("router"):
     experts, weights = route(tokens, w["router"], w.get("expert_bias"), moe)
-  compute = experts_ragged if moe.dispatch == "ragged" else experts_dense
   with jax.named_scope("experts"):
-    out = compute(tokens, w, experts, weights).astype(h.dtype)  # [N, E]
+    out = None if moe.dispatch != "ragged" else sharded_experts(
+        h, w, experts.reshape(batch, length, -1), weights.reshape(batch, length, -1))  # [B, T, E] or None
+    if out is None:  # one device, no expert axis, or the dense dispatch
+      compute = experts_ragged if moe.dispatch == "ragged" else experts_dense
+      out = compute(tokens, w, experts, weights)
+    out = out.reshape(-1, embed).astype(h.dtype)  # [N, E]
   if moe.num_shared_experts:
     with jax.named_scope("shared_experts"):
       gate = jnp.einsum("ne,ef->nf", tokens, w["shared_gate"].astype(h.dtype))
       up = jnp.einsum("ne,ef->nf", tokens, w["shared_up"].astype(h.dtype))
-      out = out + jnp.einsum("nf,fe->ne", _swiglu(gate, up), w["shared_down"].astype(h.dtype))
+      out = out + jnp.einsum("nf,fe->ne", swiglu(gate, up), w["shared_down"].astype(h.dtype))
   load = jnp.zeros((moe.num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
   return out.reshape(batch, length, embed), jax.lax.stop_gradient(load)

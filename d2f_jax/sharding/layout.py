@@ -33,13 +33,14 @@ class MeshLayout:
   mesh: jax.sharding.Mesh  # a concrete Mesh (or an AbstractMesh, for lowering without devices)
   batch_axes: tuple[str, ...]  # mesh axes the batch dim [B] is split over, e.g. ("data", "fsdp")
   head_axis: str | None  # mesh axis attention heads are split over (e.g. "tensor"); None = replicated
+  expert_axis: str | None = None  # mesh axis a MoE layer's experts split over (models/expert_parallel.py)
 
   def __post_init__(self):
     names = tuple(self.mesh.axis_names)
     if isinstance(self.batch_axes, str):
       object.__setattr__(self, "batch_axes", (self.batch_axes,))
     object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
-    for axis in (*self.batch_axes, *(() if self.head_axis is None else (self.head_axis,))):
+    for axis in (*self.batch_axes, *(a for a in (self.head_axis, self.expert_axis) if a is not None)):
       if axis not in names:
         raise ValueError(f"MeshLayout: axis {axis!r} is not a mesh axis; mesh axes are {names}")
     if len(set(self.batch_axes)) != len(self.batch_axes):
@@ -89,10 +90,15 @@ def current_layout() -> MeshLayout | None:
 def layout_from_rules(mesh, rules) -> MeshLayout:
   """The layout the trainer's logical-axis rules (sharding/rules.py) give activations: the batch over the
   'batch' rule's mesh axes, heads over the first axis of the 'heads' rule that has size > 1 and is not
-  already a batch axis (an axis splits one dimension of an array only, as in `logical_spec`)."""
+  already a batch axis (an axis splits one dimension of an array only, as in `logical_spec`), experts over
+  the first axis of the 'expert' rule that has size > 1 (a batch axis too: the tokens then travel to their
+  experts by all-to-all)."""
   batch_axes = tuple(a for a in rule_axes(rules, "batch", mesh) if mesh.shape[a] > 1)
   heads = [a for a in rule_axes(rules, "heads", mesh) if mesh.shape[a] > 1 and a not in batch_axes]
-  return MeshLayout(mesh=mesh, batch_axes=batch_axes, head_axis=heads[0] if heads else None)
+  names = dict(rules)
+  experts = [a for a in rule_axes(rules, "expert", mesh) if mesh.shape[a] > 1] if "expert" in names else []
+  return MeshLayout(mesh=mesh, batch_axes=batch_axes, head_axis=heads[0] if heads else None,
+                    expert_axis=experts[0] if experts else None)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
