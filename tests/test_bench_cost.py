@@ -8,6 +8,7 @@ they only have to cover the weights, which every forward reads once.
 """
 
 import json
+import math
 import pathlib
 
 import jax
@@ -255,3 +256,25 @@ def test_the_frontier_takes_the_fastest_mode_within_one_standard_error_of_exact_
   # Without the narrower mode the exact row is its own frontier; without an AR row there is none.
   assert {r["mode"] for r in cost_report.frontier_rows([exact, wrong, ar], tables, [1], 256, 32)} == {"exact"}
   assert cost_report.frontier_rows([exact, close], tables, [1], 256, 32) == []
+
+
+@pytest.mark.parametrize("name, active", [("llada2-mini", 1.4e9), ("llada2-flash", 6.1e9)])
+def test_the_formula_reads_the_chosen_experts_at_one_token_and_all_as_the_batch_grows(name, active):
+  """A mixture of experts: FLOPs follow the active parameters (the published ~1.4B / 6.1B with embedding and
+  head), a one-token forward reads only them, and the experts read grow with the tokens to every stored one
+  (the checkpoint's own tensor count); a dense model reads all its weights at any size."""
+  from d2f_jax.convert.mapping import param_shapes
+  from d2f_jax.e2e import projection
+  from d2f_jax.models import preset
+  config = preset(name)
+  head_and_embed = 2 * config.embed_dim * config.vocab_size
+  assert abs(projection.layer_params(config) + head_and_embed - active) / active < 0.05
+  stored = sum(math.prod(s) for s in param_shapes(config).values()) - head_and_embed
+  reads = [projection.layer_params_read(config, t) for t in (1, 8, 88, 704, 11264, 1e6)]
+  assert reads[0] == projection.layer_params(config) and reads == sorted(reads)
+  assert reads[2] > 10 * reads[0]  # one D2F window of 88 tokens already touches most experts
+  assert abs(reads[-1] - stored) / stored < 1e-3, (reads[-1], stored)  # norms and router bias aside
+  llada = preset("llada-8b")
+  assert projection.layer_params_read(llada, 1) == projection.layer_params_read(llada, 4096)
+  one, many = projection.roofline_forward(config, 1.0, 0.0), projection.roofline_forward(config, 1.0, 0.0, rows=64)
+  assert many[0] == pytest.approx(64 * one[0]) and one[1] < many[1] < 64 * one[1]  # weights shared by the rows

@@ -2,10 +2,11 @@
 
 This is a projection, not a measurement. Per forward (batch 1, bf16 weights and KV cache):
   FLOPs = 2 n (P_layers + E V) + 4 n (c + n) H D L     (matmuls of n window tokens; QK^T and PV over c + n keys)
-  bytes = 2 (P_layers + E V) + 2 n E + 2 * 2 L c K D    (every weight once, n embedding rows, K and V of c cached)
+  bytes = 2 (P_read + E V) + 2 n E + 2 * 2 L c K D      (every weight once, n embedding rows, K and V of c cached)
   time  = max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)
 with n the tokens the forward computes, c the cached tokens it attends to, P_layers the transformer layers'
-parameters and E V the output head. tokens/s = measured tokens per forward / time. Host overhead, kernel
+parameters a token uses (a mixture of experts: its k routed experts), P_read those the forward reads (a
+mixture of experts: the experts any of its tokens chose) and E V the output head. tokens/s = measured tokens per forward / time. Host overhead, kernel
 efficiency and launch latency are left out, so real numbers are lower; the ratios between methods are the
 point, and they follow from the measured tokens per forward and window widths.
 """
@@ -21,19 +22,45 @@ DEVICES = {name: (datasheets.by_name(name).bf16_tflops * 1e12, datasheets.by_nam
 BYTES = 2  # bf16
 
 
+def _attention_params(config: ModelConfig) -> int:
+  e, h, k, d = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+  return e * h * d + 2 * e * k * d + h * d * e
+
+
 def layer_params(config: ModelConfig) -> int:
-  e, h, k, d, m = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
-  per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * m
-  return config.num_layers * per_layer
+  """Parameters of the transformer layers one token's matmuls use: attention, the dense MLP of dense layers
+  and, in mixture-of-experts layers, the router, the shared experts and its k routed experts (the active
+  parameters: what FLOPs scale with)."""
+  e = config.embed_dim
+  dense = config.dense_layers * 3 * e * config.mlp_dim
+  moe = config.moe
+  if moe is None:
+    return config.num_layers * _attention_params(config) + dense
+  expert = 3 * e * moe.expert_mlp_dim
+  per_moe_layer = e * moe.num_experts + (moe.num_shared_experts + moe.experts_per_token) * expert
+  return config.num_layers * _attention_params(config) + dense + (config.num_layers - config.dense_layers) * per_moe_layer
 
 
-def roofline_forward(config: ModelConfig, n: float, c: float) -> tuple[float, float]:
-  """(FLOPs, bytes) of one forward computing `n` tokens against `c` cached ones."""
-  matmul = layer_params(config) + config.embed_dim * config.vocab_size
+def layer_params_read(config: ModelConfig, tokens: float) -> float:
+  """Parameters of the transformer layers a forward over `tokens` tokens (all rows together) reads: every
+  weight of a dense model; in mixture-of-experts layers only the routed experts some token chose, expected
+  X (1 - (1 - k / X)^tokens) of the X experts under even routing (k at one token, all X as the batch grows)."""
+  moe = config.moe
+  if moe is None:
+    return float(layer_params(config))
+  x, k = moe.num_experts, moe.experts_per_token
+  touched = x * (1.0 - (1.0 - k / x) ** max(tokens, 1.0))  # expected distinct experts per MoE layer
+  extra = (touched - k) * 3 * config.embed_dim * moe.expert_mlp_dim  # beyond the k counted as active
+  return float(layer_params(config)) + (config.num_layers - config.dense_layers) * extra
+
+
+def roofline_forward(config: ModelConfig, n: float, c: float, rows: int = 1) -> tuple[float, float]:
+  """(FLOPs, bytes) of one forward of `rows` rows, each computing `n` tokens against `c` cached ones."""
+  head = config.embed_dim * config.vocab_size
   attention = 4 * n * (c + n) * config.num_heads * config.head_dim * config.num_layers
-  flops = 2 * n * matmul + attention
+  flops = rows * (2 * n * (layer_params(config) + head) + attention)
   kv = 2 * config.num_layers * c * config.num_kv_heads * config.head_dim
-  return flops, BYTES * (matmul + n * config.embed_dim + kv)
+  return flops, BYTES * (layer_params_read(config, rows * n) + head + rows * (n * config.embed_dim + kv))
 
 
 def window_blocks(row: dict, block_size: int) -> float:

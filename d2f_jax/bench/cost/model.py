@@ -3,8 +3,8 @@
 Formulas (bf16, per device of a mesh with `tensor` head shards and `data` row shards; b = rows per device):
   attention  FLOPs = 4 b n (c + n) H' D L              (QK^T and PV of n queries over c cached + n window keys)
              bytes = 2 b L (2 c K' D + 2 n H' D + 2 n K' D)   (K/V of c cached tokens, q / out, window k / v)
-  whole      e2e.projection.roofline_forward (weights once, n embedding rows, K/V of c cached), FLOPs x b,
-             per-row bytes x b, both / tensor
+  whole      e2e.projection.roofline_forward of the b rows (weights once, or a mixture of experts' chosen ones,
+             n embedding rows and K/V of c cached per row), / tensor
   time       max(FLOPs / peak, bytes / HBM bandwidth)  (data sheet; collectives and launch overhead left out)
 H' = H / tensor, K' the kv heads a shard reads (kernels.sharded.plan_heads). c = prompt + half the response
 for a step (the mean cache length over a decode; the kernels read only up to it), 0 for a prefill or vanilla's
@@ -48,9 +48,8 @@ def attention_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, floa
 def formula_cost(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
   """The hand-written roofline of one forward (e2e.projection.roofline_forward), per device."""
   tensor, b = mesh_shape.get("tensor", 1), rows_per_device(shape.batch, mesh_shape.get("data", 1))
-  flops, nbytes = projection.roofline_forward(config, shape.tokens, cached_tokens(shape))
-  weights = BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size)
-  return {"flops": b * flops / tensor, "bytes": (weights + b * (nbytes - weights)) / tensor}
+  flops, nbytes = projection.roofline_forward(config, shape.tokens, cached_tokens(shape), rows=b)
+  return {"flops": flops / tensor, "bytes": nbytes / tensor}
 
 
 def cache_write_formula(config, shape: StepShape, mesh_shape: dict) -> dict[str, float]:
@@ -97,9 +96,10 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
 
 
 def weights_per_device(config, mesh_shape: dict) -> float:
-  """Bytes of the layer weights and the head per device: a floor under any forward's traffic (every weight is
-  read at least once; replicated parts only raise the real figure)."""
-  return BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size) / mesh_shape.get("tensor", 1)
+  """Bytes of the layer weights and the head per device a one-token forward reads: a floor under any forward's
+  traffic (every weight it uses is read at least once; replicated parts only raise the real figure)."""
+  weights = projection.layer_params_read(config, 1) + config.embed_dim * config.vocab_size
+  return BYTES * weights / mesh_shape.get("tensor", 1)
 
 
 def implausible_bytes(compiled: dict, accounted: dict, config, mesh_shape: dict) -> str | None:
