@@ -78,6 +78,7 @@ _CHILD = textwrap.dedent("""
     jax.config.update("jax_disable_most_optimizations", True)
     from flax import nnx
     from d2f_jax.models import TINY_DREAM, TINY_LLADA, LoraConfig
+    from d2f_jax.models.config import TINY_LLADA2
     from d2f_jax import sharding
     from d2f_jax.sharding import DEFAULT_RULES as RULES
     from d2f_jax.train.model import BASE, TrainModels
@@ -129,7 +130,8 @@ _CHILD = textwrap.dedent("""
     eight = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
     out = {}
     for name, config, lora, micro in (("lora", TINY_LLADA, LoraConfig(rank=4, alpha=8.0, dropout=0.1), 2),
-                                      ("full", TINY_DREAM, None, 1)):
+                                      ("full", TINY_DREAM, None, 1),
+                                      ("moe", TINY_LLADA2, LoraConfig(rank=4, alpha=8.0), 1)):
       l1, g1, s1, p1, _ = run(config, lora, one, micro)
       l8, g8, s8, p8, layouts = run(config, lora, eight, micro)
       out[name] = {"loss": [l1, l8], "grad_rel": rel(g1, g8), "steps": [s1, s8], "param_outliers": outliers(p1, p8),
@@ -139,6 +141,8 @@ _CHILD = textwrap.dedent("""
 
 
 def test_2x2x2_mesh_matches_one_device():
+  """LoRA on LLaDA, full finetuning of Dream and LoRA on LLaDA2 (its 8 experts split 4 a shard over tensor,
+  models/expert_parallel.py) train on data x fsdp x tensor as on one device."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
          "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
   proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600,
