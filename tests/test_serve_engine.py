@@ -118,7 +118,7 @@ def test_the_auto_policy_picks_each_requests_mode_by_load_without_recompiling():
   """policy 'auto': a request admitted with 1 live slot decodes exactly, with 2 at q=2, with 3 at q=1; each keeps
   its mode to the end and equals `generate` alone in it; after warm-up no program is traced again."""
   from d2f_jax.serve import programs
-  jitted = (programs.insert, programs.advance, programs.release, programs.readout)
+  jitted = (programs.insert_rows, programs.advance_slots, programs.release_slots, programs.read_slots)
   model = sharp_model("llada")
   engine = Engine(model, EngineConfig(**{**ENGINE.__dict__, "slots": 3, "policy": "auto",
                                          "auto_modes": ((1, None), (2, 2), (3, 1))}))
@@ -239,18 +239,19 @@ def test_an_ar_engine_decodes_every_request_as_alone():
 def test_a_failing_engine_ends_every_request_and_says_why(monkeypatch):
   """A round that raises on the engine thread ends queued and decoding requests with finish_reason 'error'
   (nothing is left waiting), load() reports the failure and new requests are refused."""
-  from d2f_jax.serve import EngineStopped, programs
+  from d2f_jax.serve import EngineStopped
+  from d2f_jax.serve.programs import SlotPrograms
   engine = Engine(sharp_model("llada"), ENGINE)
   assert engine.warm_up() > 0 and not engine.busy and engine.load()["free_slots"] == ENGINE.slots
 
   def broken(*args, **kwargs):
     raise RuntimeError("device lost")
-  monkeypatch.setattr(programs, "advance", broken)
+  monkeypatch.setattr(SlotPrograms, "advance", broken)
   finished = []
   for prompt in PROMPTS:
     engine.submit(prompt, RequestSettings(), lambda e: e.finished and finished.append(e.finish_reason))
   engine.start()
-  engine._thread.join(timeout=600)
+  engine.thread.join(timeout=600)
   assert finished == ["error"] * len(PROMPTS)
   assert engine.load()["error"] == "RuntimeError: device lost" and not engine.load()["admitting"]
   with pytest.raises(EngineStopped, match="device lost"):

@@ -39,7 +39,7 @@ _CHILD = textwrap.dedent("""
       want = dict(tokens=np.asarray(r.tokens[0, :n]).tolist(), forwards=int(r.forwards[0]),
                   trace=np.asarray(r.trace[0]).tolist())
       cases.append({"want": want, "got": dict(tokens=c.tokens, forwards=c.forwards, trace=c.trace)})
-    kv = engine.state.cache.k.sharding.spec
+    kv = engine.batch.state.cache.k.sharding.spec
     print("RESULT" + json.dumps({"cases": cases, "cache_spec": [list(e) if isinstance(e, tuple) else e for e in kv]}))
 """)
 
@@ -72,7 +72,9 @@ def test_the_ahead_of_time_engine_programs_follow_the_engine_config():
   mesh = make_mesh(dict(data=1), jax.devices()[:1])
   base = dict(slots=2, block_size=4, max_new_tokens=16, max_prompt_len=16, prompt_bucket=8)
   for method, state_type in (("ar", baselines.ARState), ("d2f", pipeline.D2FState)):
-    _, (params, state, knobs) = engine_programs(model.config, EngineConfig(method=method, **base), mesh)["serve_advance"]
-    assert isinstance(state, state_type), (method, type(state))
+    _, (programs, params, batch) = engine_programs(model.config, EngineConfig(method=method, **base),
+                                                   mesh)["serve_advance"]
+    assert isinstance(batch.state, state_type), (method, type(batch.state))
+    assert programs.spec.method == method
   config = EngineConfig(query_limit=2, **base)
   assert config.decode_config().query_limit == 2 and config.decode_config().method == "d2f"

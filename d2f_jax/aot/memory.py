@@ -20,6 +20,8 @@ def argument_bytes(tree) -> int:
   import jax
   total = 0
   for leaf in jax.tree.leaves(tree):
+    if not hasattr(leaf, "dtype"):
+      continue  # a static argument (the serving programs' context) holds no device bytes
     sharding = getattr(leaf, "sharding", None)
     shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
     total += math.prod(shape) * leaf.dtype.itemsize  # PRNG key dtypes have one too

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from d2f_jax.decode.config import resolve
 from d2f_jax.decode.mesh import as_decode_mesh
 from d2f_jax.models import KVCache, ModelConfig, abstract_model, with_shardings
-from d2f_jax.serve import programs
+from d2f_jax.serve.programs import Admission, SlotPrograms, advance_slots, insert_rows
 from d2f_jax.serve.config import EngineConfig
 
 
@@ -49,29 +49,23 @@ def _sds(x, sharding):
 def engine_programs(model_config: ModelConfig, config: EngineConfig, mesh, rules=None) -> dict:
   """{'serve_advance': (fn, args), 'serve_insert': (fn, args)}: the engine's advance program and its insert
   program at the largest prompt bucket and admission count (its most memory), each
-  `fn.lower(*args).compile()`-able on `mesh`'s devices."""
+  `fn.lower(*args).compile()`-able on `mesh`'s devices (the engine's own jitted programs, their static
+  context first)."""
   placement = as_decode_mesh(mesh, rules)
   if placement is None:
     raise ValueError("engine_programs needs a mesh")
   spec, knobs = resolve(config.decode_config(), model_config)
   graphdef, params = _abstract_params(model_config, placement)
-  state, slot_knobs = jax.eval_shape(lambda: programs.empty_slots(spec, config.slots, config.prompt_width, knobs))
-  state, slot_knobs = _slot_shardings((state, slot_knobs), placement, config.slots)
+  programs = SlotPrograms(graphdef, spec, placement.layout, config.steps_per_call)
+  batch = jax.eval_shape(lambda: programs.empty(config.slots, config.prompt_width, knobs))
+  batch = _slot_shardings(batch, placement, config.slots)
   rep = NamedSharding(placement.mesh, P())
   size = config.insert_sizes[-1]
-  row_knobs = jax.tree.map(lambda x: _sds(jax.ShapeDtypeStruct((size,) + x.shape, x.dtype), rep), knobs)
-  layout = placement.layout
 
-  def advance(params, state, knobs):
-    return programs.advance(graphdef, params, state, knobs, spec=spec, steps=config.steps_per_call, layout=layout)
-
-  def insert(params, state, knobs, slots, prompt, prompt_len, row_knobs, seeds):
-    return programs.insert(graphdef, params, state, knobs, slots, prompt, prompt_len, row_knobs, seeds, spec=spec,
-                           layout=layout)
-  width = config.prompt_width
-  insert_args = (params, state, slot_knobs, _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep),
-                 _sds(jax.ShapeDtypeStruct((size, width), jnp.int32), rep),
-                 _sds(jax.ShapeDtypeStruct((size,), jnp.int32), rep), row_knobs,
-                 _sds(jax.ShapeDtypeStruct((size,), jnp.uint32), rep))
-  return {"serve_advance": (jax.jit(advance, donate_argnums=(1,)), (params, state, slot_knobs)),
-          "serve_insert": (jax.jit(insert, donate_argnums=(1, 2)), insert_args)}
+  def rows(shape, dtype):
+    return _sds(jax.ShapeDtypeStruct(shape, dtype), rep)
+  admission = Admission(slots=rows((size,), jnp.int32), prompt=rows((size, config.prompt_width), jnp.int32),
+                        prompt_len=rows((size,), jnp.int32), seeds=rows((size,), jnp.uint32),
+                        knobs=jax.tree.map(lambda x: rows((size,) + x.shape, x.dtype), knobs))
+  return {"serve_advance": (advance_slots, (programs, params, batch)),
+          "serve_insert": (insert_rows, (programs, params, batch, admission))}

@@ -1,77 +1,56 @@
-"""The engine's own thread (what the server runs): rounds while there is work, sleeping on the engine's
-condition otherwise; a graceful shutdown; and, if a round raises, every request ended with finish_reason
-'error' instead of left waiting, the failure kept for /health."""
+"""The engine's own thread (what the server runs): rounds while there is work, asleep on the engine's
+condition otherwise, and the two ways it ends: a graceful shutdown (admit nothing, let work finish for a
+grace, cancel the rest) and an abort (a server's second signal: cancel everything now). If a round raises,
+the engine fails every request (finish_reason 'error') and keeps the failure for /health."""
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 
-from d2f_jax.serve.types import Completion, Event
 
+class EngineThread:
+  """A small object the engine owns: it asks the engine for work and runs its rounds; the engine keeps the
+  queue, the slots and the one way a request finishes."""
 
-class BackgroundLoop:
-  """Mixed into Engine: uses its lock, queue, slots, round() and busy."""
+  def __init__(self, engine):
+    self.engine = engine
+    self._thread: threading.Thread | None = None
+    self._stop_now = threading.Event()  # abort(): a shutdown stops waiting out its grace
 
+  @property
+  def started(self) -> bool:
+    return self._thread is not None
 
   def start(self) -> None:
     if self._thread is None:
       self._thread = threading.Thread(target=self._serve, name="d2f-engine", daemon=True)
       self._thread.start()
 
+  def join(self, timeout: float | None = None) -> None:
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  def alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
   def _serve(self) -> None:
-    while True:
-      with self._lock:
-        while not self.busy and not self._cancelled and self._admitting:
-          self._lock.wait()
-        if not self.busy and not self._admitting:
-          return
+    while self.engine.wait_for_work():
       try:
-        self.round()
+        self.engine.round()
       except Exception as e:  # noqa: BLE001 - a dead engine must end its requests, not leave them waiting
-        self._fail(f"{type(e).__name__}: {e}")
+        self.engine.fail(f"{type(e).__name__}: {e}")
         return
 
-  def _fail(self, error: str) -> None:
-    """End every queued and decoding request with finish_reason 'error' and admit nothing more."""
-    with self._lock:
-      self.error, self._admitting = error, False
-      waiting, self.queue = list(self.queue), collections.deque()
-    decoding = [r for r in self.slots if r is not None]
-    self.slots = [None] * self.config.slots
-    for request in waiting + decoding:
-      if request.callback is not None:
-        request.callback(Event(request.id, [], True, "error", int(request.prompt.size), request.emitted, 0,
-                               Completion(tokens=[], forwards=0, trace=[], finish_reason="error", stats={})))
-
-  def _cancel_all(self) -> None:
-    """Mark every queued and decoding request cancelled (the next round ends them) and wake the thread; the
-    caller holds the lock."""
-    self._cancelled.update(r.id for r in self.queue)
-    self._cancelled.update(r.id for r in self.slots if r is not None)
-    self._lock.notify_all()
-
   def abort(self) -> None:
-    """End every queued and decoding request at the engine's next round (finish_reason 'cancelled', the
-    server's 'abort'), admit nothing more, and end a shutdown's grace now: a server's second signal."""
-    with self._lock:
-      self._admitting = False
-      self._stop_now.set()
-      self._cancel_all()
+    """End a shutdown's grace now (the engine cancels its requests)."""
+    self._stop_now.set()
 
-  def shutdown(self, grace_s: float = 30.0) -> None:
-    """Admit nothing new; let queued and decoding requests finish for up to `grace_s`, then cancel the rest."""
-    with self._lock:
-      self._admitting = False
-      self._lock.notify_all()
+  def shutdown(self, grace_s: float) -> None:
+    """Wait up to `grace_s` for the engine's work to finish (it admits nothing new), then have it cancel the
+    rest and wait for the thread to deliver the cancellations."""
     deadline = time.monotonic() + grace_s
-    while (self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline
-           and not self._stop_now.is_set()):
-      self._thread.join(timeout=0.05)
-    with self._lock:
-      self._cancel_all()
-    if self._thread is not None:
-      self._thread.join()
-    elif self.busy:
-      self.round()  # no thread: deliver the cancellations here
+    while self.alive() and time.monotonic() < deadline and not self._stop_now.is_set():
+      self.join(timeout=0.05)
+    self.engine.cancel_all()
+    self.join()

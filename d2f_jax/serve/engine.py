@@ -30,14 +30,14 @@ from d2f_jax import xla_maps
 from d2f_jax.decode import limits
 from d2f_jax.decode.config import resolve
 from d2f_jax.decode.methods import check_method_fits, model_attention
-from d2f_jax.serve import programs
-from d2f_jax.serve.background import BackgroundLoop
+from d2f_jax.serve.background import EngineThread
 from d2f_jax.serve.config import EngineConfig, split_admissions
+from d2f_jax.serve.programs import Admission, SlotPrograms
 from d2f_jax.serve.requests import Request, check_prompt, completion, request_knobs, settled_ids
 from d2f_jax.serve.types import Completion, EngineStopped, Event, EventCallback, QueueFull, RequestSettings
 
 
-class Engine(BackgroundLoop):
+class Engine:
   """Slots, a queue and the loop that keeps the slots full. `model`: a d2f_jax.Model (optionally `shard`ed)."""
 
   def __init__(self, model, config: EngineConfig = EngineConfig()):
@@ -50,8 +50,9 @@ class Engine(BackgroundLoop):
     devices = list(placement.mesh.devices.flat) if placement is not None else jax.local_devices()[:1]
     limits.check_memory(model.config, config.slots, config.prompt_width + config.max_new_tokens, model.state,
                         devices, config.memory_budget_gib)
-    self.layout = None if placement is None else placement.layout
-    self.state, self.knobs = programs.empty_slots(self.spec, config.slots, config.prompt_width, knobs)
+    layout = None if placement is None else placement.layout
+    self.programs = SlotPrograms(model.graphdef, self.spec, layout, config.steps_per_call)
+    self.batch = self.programs.empty(config.slots, config.prompt_width, knobs)  # the slots on the device
     self.slots: list[Request | None] = [None] * config.slots
     self.queue: collections.deque[Request] = collections.deque()
     self.advance_calls = 0  # device calls of `advance` (for the bench)
@@ -59,10 +60,9 @@ class Engine(BackgroundLoop):
     self._ids = itertools.count()
     self._lock = threading.Condition()
     self._cancelled: set[str] = set()
-    self._stop_now = threading.Event()  # abort(): a shutdown stops waiting out its grace
     self._admitting = True
     self.error: str | None = None  # why the engine thread died, if it did (every request then ended 'error')
-    self._thread: threading.Thread | None = None
+    self.thread = EngineThread(self)
     self._seeds = np.random.default_rng(0)  # a request without a seed gets the next draw: runs repeat
 
   # --- requests -------------------------------------------------------------------------------------------
@@ -122,11 +122,57 @@ class Engine(BackgroundLoop):
       for size in self.config.insert_sizes:
         prompts = np.full((size, width), self.model.config.pad_token_id, np.int32)
         self._insert(list(range(size)), prompts, np.ones((size,), np.int32), [knobs] * size, [0] * size)
-        self.state = programs.release(self.state, np.arange(size, dtype=np.int32))
-    self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
-                                  steps=self.config.steps_per_call, layout=self.layout)
-    jax.block_until_ready(programs.readout(self.state, spec=self.spec))
+        self.batch = self.programs.release(self.batch, np.arange(size, dtype=np.int32))
+    self.batch = self.programs.advance(self.model.state, self.batch)
+    jax.block_until_ready(self.programs.readout(self.batch))
     return time.perf_counter() - start
+
+  # --- the engine's thread (serve/background.py) ----------------------------------------------------------
+
+  def start(self) -> None:  # rounds on the engine's own thread from now on (what the server does)
+    self.thread.start()
+
+  def wait_for_work(self) -> bool:
+    """Block until there is work; False once the engine admits nothing and has nothing left (the thread ends)."""
+    with self._lock:
+      while not self.busy and not self._cancelled and self._admitting:
+        self._lock.wait()
+      return self.busy or self._admitting
+
+  def fail(self, error: str) -> None:
+    """End every queued and decoding request with finish_reason 'error' and admit nothing more."""
+    with self._lock:
+      self.error, self._admitting = error, False
+      waiting, self.queue = list(self.queue), collections.deque()
+    decoding = [r for r in self.slots if r is not None]
+    self.slots = [None] * self.config.slots
+    for request in waiting + decoding:
+      self._finish(request, "error")
+
+  def cancel_all(self) -> None:
+    """Mark every queued and decoding request cancelled (the next round ends them) and wake the thread."""
+    with self._lock:
+      self._cancelled.update(r.id for r in self.queue)
+      self._cancelled.update(r.id for r in self.slots if r is not None)
+      self._lock.notify_all()
+
+  def abort(self) -> None:
+    """End every queued and decoding request at the next round (finish_reason 'cancelled', the server's
+    'abort'), admit nothing more, and end a shutdown's grace now: a server's second signal."""
+    with self._lock:
+      self._admitting = False
+    self.thread.abort()
+    self.cancel_all()
+
+  def shutdown(self, grace_s: float = 30.0) -> None:
+    """Admit nothing new; let queued and decoding requests finish for up to `grace_s`, then cancel the rest."""
+    with self._lock:
+      self._admitting = False
+      self._lock.notify_all()
+    if self.thread.started:
+      return self.thread.shutdown(grace_s)
+    self.cancel_all()
+    self.run_until_idle()  # no thread: deliver the cancellations here
 
   # --- the loop -------------------------------------------------------------------------------------------
 
@@ -141,16 +187,15 @@ class Engine(BackgroundLoop):
       dropped = [r for r in self.queue if r.id in cancelled]
       self.queue = collections.deque(kept)
     for request in dropped:
-      self._emit(request, [], reason="cancelled")
+      self._finish(request, "cancelled")
     for slot, request in enumerate(self.slots):
       if request is not None and request.id in cancelled:
-        self.state = programs.release(self.state, np.int32(slot))
+        self.batch = self.programs.release(self.batch, np.int32(slot))
         self.slots[slot] = None
-        self._emit(request, [], reason="cancelled")
+        self._finish(request, "cancelled")
     self._admit()
     if any(r is not None for r in self.slots):
-      self.state = programs.advance(self.model.graphdef, self.model.state, self.state, self.knobs, spec=self.spec,
-                                    steps=self.config.steps_per_call, layout=self.layout)
+      self.batch = self.programs.advance(self.model.state, self.batch)
       self.advance_calls += 1
       self._publish()
     return self.busy
@@ -196,13 +241,13 @@ class Engine(BackgroundLoop):
               seeds: list[int]) -> None:
     self.insert_calls += 1
     row_knobs = jax.tree.map(lambda *rows: np.stack([np.asarray(r) for r in rows]), *knobs)
-    self.state, self.knobs = programs.insert(
-        self.model.graphdef, self.model.state, self.state, self.knobs, np.asarray(slots, np.int32), prompts,
-        prompt_lens, row_knobs, np.asarray(seeds, np.uint32), spec=self.spec, layout=self.layout)
+    admission = Admission(slots=np.asarray(slots, np.int32), prompt=prompts, prompt_len=prompt_lens,
+                          knobs=row_knobs, seeds=np.asarray(seeds, np.uint32))
+    self.batch = self.programs.insert(self.model.state, self.batch, admission)
 
   def _publish(self) -> None:
     """Read the slots once; stream settled ids; finish and free the slots that are done."""
-    read = jax.tree.map(np.asarray, jax.device_get(programs.readout(self.state, spec=self.spec)))
+    read = jax.tree.map(np.asarray, jax.device_get(self.programs.readout(self.batch)))
     mask_id = self.model.config.mask_token_id
     for slot, request in enumerate(self.slots):
       if request is None:
@@ -211,21 +256,24 @@ class Engine(BackgroundLoop):
         final = completion(read, slot, request.max_new_tokens, request.stop_ids)._replace(
             query_limit=request.query_limit)
         self.slots[slot] = None
-        self._emit(request, final.tokens[request.emitted:], reason=final.finish_reason, final=final,
-                   forwards=final.forwards)
+        self._finish(request, final.finish_reason, final.tokens[request.emitted:], final)
       else:
         ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stop_ids)
         if len(ids) > request.emitted:
           self._emit(request, ids[request.emitted:], forwards=int(read["forwards"][slot]))
 
-  def _emit(self, request: Request, ids: list[int], *, reason: str | None = None, final: Completion | None = None,
-            forwards: int = 0) -> None:
+  def _emit(self, request: Request, ids: list[int], *, forwards: int, final: Completion | None = None) -> None:
+    """Stream newly settled ids to the request's callback (the last event carries its completion)."""
     request.emitted += len(ids)
-    if reason == "cancelled":
-      final = Completion(tokens=[], forwards=forwards, trace=[], finish_reason="cancelled", stats={})
     if request.callback is not None:
-      request.callback(Event(request.id, list(ids), reason is not None, reason, int(request.prompt.size),
-                             request.emitted, forwards, final))
+      request.callback(Event(request.id, list(ids), final is not None, None if final is None else final.finish_reason,
+                             int(request.prompt.size), request.emitted, forwards, final))
+
+  def _finish(self, request: Request, reason: str, ids: Sequence[int] = (), final: Completion | None = None) -> None:
+    """The one way a request ends: its last ids and its completion (empty for 'cancelled' and 'error')."""
+    if final is None:
+      final = Completion(tokens=[], forwards=0, trace=[], finish_reason=reason, stats={})
+    self._emit(request, list(ids), forwards=final.forwards, final=final)
 
   def run_until_idle(self) -> None:
     """Rounds on the calling thread until no request is queued or decoding."""

@@ -1,6 +1,10 @@
 """The engine's device programs over a fixed batch of S slots: each one jitted with static shapes, so serving
 never recompiles after warm-up (one insert program per prompt bucket and admission count, one advance program).
 
+`SlotPrograms` is their one static context (graphdef, spec, layout, steps per call): frozen and hashable, the
+jitted methods' static self, as gemma's sampler carries its loop. The device side of the slots is one pytree,
+`SlotBatch` (the loop state's rows and each slot's knobs): `batch = programs.advance(params, batch)`.
+
 The slot batch is a D2F loop state (decode/pipeline.py) whose rows start at different times. A row's
 decode touches only its own row, so a request decodes exactly as it would alone:
 - `insert` runs the first step of m requests of one prompt bucket (`pipeline.init`: the prefill forward
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,18 +59,6 @@ def _fresh_ar(prompt: jax.Array, prompt_len: jax.Array, spec: DecodeSpec) -> bas
                            key=row_keys(jax.random.key(0), slots), t=zeros)
 
 
-def empty_slots(spec: DecodeSpec, slots: int, prompt_width: int, knobs: Knobs):
-  """A slot batch with every slot free (done), and per-slot knobs ([S] leaves, stop ids [S, K])."""
-  prompt = jnp.full((slots, prompt_width), spec.model.pad_token_id, jnp.int32)
-  lengths = jnp.ones((slots,), jnp.int32)
-  state = (_fresh_ar(prompt, lengths, spec) if _is_ar(spec)
-           else pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec))
-  state = state.replace(done=jnp.ones((slots,), bool))
-  rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape), knobs)
-  # Own buffers per leaf (fresh_state shares one zeros array between counters): the programs donate them.
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), (state, rows))
-
-
 def _put_rows(big: jax.Array, rows: jax.Array, slots: jax.Array, axis: int = 0) -> jax.Array:
   """big [..., S, ...] with rows [..., m, ...] written at slots [m] (distinct) along `axis`."""
   index = (slice(None),) * axis + (slots,)
@@ -83,32 +77,6 @@ def _into_width(row, prompt_width: int, spec: DecodeSpec):
   return row.replace(tokens=tokens, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout"), donate_argnums=(2, 3))
-def insert(graphdef, params, state, knobs: Knobs, slots: jax.Array, prompt: jax.Array,
-           prompt_len: jax.Array, row_knobs: Knobs, seeds: jax.Array, *, spec: DecodeSpec,
-           layout: MeshLayout | None = None):
-  """Prefill m requests into distinct free `slots` [m] in one call: prompt [m, bucket] left-padded,
-  prompt_len [m], row_knobs leaves [m, ...], seeds [m] uint32. Each row decodes as it would alone: the
-  prefill is per row, rows never attend to each other, and a row samples from fold_in(key(seed), 0), the key
-  of row 0 of `generate(..., key=jax.random.key(seed))`."""
-  count, width = state.tokens.shape[0], _prompt_width(state, spec)
-  init = baselines.init_ar if _is_ar(spec) else pipeline.init
-  with mesh_layout(layout):
-    keys = jax.vmap(lambda seed: row_keys(jax.random.key(seed), 1)[0])(seeds)  # [m]
-    rows = init(nnx.merge(graphdef, params), prompt, prompt_len, keys, row_knobs, spec)
-  if _is_ar(spec):
-    rows = rows.replace(t=jnp.broadcast_to(rows.t, prompt_len.shape))
-  rows = _into_width(rows, width, spec)
-  cache = KVCache(k=_put_rows(state.cache.k, rows.cache.k, slots, 1),
-                  v=_put_rows(state.cache.v, rows.cache.v, slots, 1),
-                  ids=_put_rows(state.cache.ids, rows.cache.ids, slots),
-                  length=_put_rows(state.cache.length, rows.cache.length, slots))
-  batch_leaves = {f: _put_rows(getattr(state, f), getattr(rows, f), slots) for f in _row_fields(state, count)}
-  state = state.replace(cache=cache, **batch_leaves)
-  knobs = jax.tree.map(lambda big, new: _put_rows(big, new, slots), knobs, row_knobs)
-  return constrain_loop_state(state, layout, count), knobs
-
-
 def _row_fields(state, slots: int) -> list[str]:
   """The loop state's fields with a leading slot axis, the rows' PRNG keys among them (the cache is placed
   apart; d2f's step counter is shared by all slots)."""
@@ -124,41 +92,124 @@ def _bounded(state, knobs: Knobs, spec: DecodeSpec):
   return state.replace(done=state.done | over)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "layout", "steps"), donate_argnums=(2,))
-def advance(graphdef, params, state, knobs: Knobs, *, spec: DecodeSpec, steps: int,
-            layout: MeshLayout | None = None):
+@flax.struct.dataclass
+class SlotBatch:
+  """The device side of S slots: the loop state's rows (a free slot is a done row) and each slot's knobs."""
+
+  state: Any  # pipeline.LoopState or baselines.ARState, rows [S, ...]
+  knobs: Knobs  # [S] leaves, stop ids [S, K]
+
+
+@flax.struct.dataclass
+class Admission:
+  """m requests of one prompt bucket to prefill into distinct free slots."""
+
+  slots: jax.Array  # [m] int32
+  prompt: jax.Array  # [m, bucket] int32, left-padded
+  prompt_len: jax.Array  # [m] int32
+  knobs: Knobs  # [m] leaves, stop ids [m, K]
+  seeds: jax.Array  # [m] uint32
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPrograms:
+  """The engine's programs and everything static about them: hashable, the static first argument of each
+  jitted program below (its methods call them)."""
+
+  graphdef: Any
+  spec: DecodeSpec
+  layout: MeshLayout | None = None
+  steps: int = 1  # D2F steps per advance call at most
+
+  @property
+  def is_ar(self) -> bool:
+    return _is_ar(self.spec)
+
+  def empty(self, slots: int, prompt_width: int, knobs: Knobs) -> SlotBatch:
+    """Every slot free (done); each slot's knobs `knobs` broadcast to [S] leaves."""
+    spec = self.spec
+    prompt = jnp.full((slots, prompt_width), spec.model.pad_token_id, jnp.int32)
+    lengths = jnp.ones((slots,), jnp.int32)
+    state = (_fresh_ar(prompt, lengths, spec) if self.is_ar
+             else pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec))
+    state = state.replace(done=jnp.ones((slots,), bool))
+    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape), knobs)
+    # Own buffers per leaf (fresh_state shares one zeros array between counters): the programs donate them.
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), SlotBatch(state=state, knobs=rows))
+
+  def insert(self, params, batch: SlotBatch, admission: Admission) -> SlotBatch:
+    return insert_rows(self, params, batch, admission)
+
+  def advance(self, params, batch: SlotBatch) -> SlotBatch:
+    return advance_slots(self, params, batch)
+
+  def release(self, batch: SlotBatch, slots) -> SlotBatch:
+    return release_slots(self, batch, slots)
+
+  def readout(self, batch: SlotBatch) -> dict:
+    return read_slots(self, batch)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def insert_rows(programs: SlotPrograms, params, batch: SlotBatch, admission: Admission) -> SlotBatch:
+  """Prefill the admitted requests into their slots in one call. Each row decodes as it would alone: the
+  prefill is per row, rows never attend to each other, and a row samples from fold_in(key(seed), 0), the
+  key of row 0 of `generate(..., key=jax.random.key(seed))`."""
+  spec, state, a = programs.spec, batch.state, admission
+  count, width = state.tokens.shape[0], _prompt_width(state, spec)
+  init = baselines.init_ar if programs.is_ar else pipeline.init
+  with mesh_layout(programs.layout):
+    keys = jax.vmap(lambda seed: row_keys(jax.random.key(seed), 1)[0])(a.seeds)  # [m]
+    rows = init(nnx.merge(programs.graphdef, params), a.prompt, a.prompt_len, keys, a.knobs, spec)
+  if programs.is_ar:
+    rows = rows.replace(t=jnp.broadcast_to(rows.t, a.prompt_len.shape))
+  rows = _into_width(rows, width, spec)
+  cache = KVCache(k=_put_rows(state.cache.k, rows.cache.k, a.slots, 1),
+                  v=_put_rows(state.cache.v, rows.cache.v, a.slots, 1),
+                  ids=_put_rows(state.cache.ids, rows.cache.ids, a.slots),
+                  length=_put_rows(state.cache.length, rows.cache.length, a.slots))
+  row_leaves = {f: _put_rows(getattr(state, f), getattr(rows, f), a.slots) for f in _row_fields(state, count)}
+  state = constrain_loop_state(state.replace(cache=cache, **row_leaves), programs.layout, count)
+  knobs = jax.tree.map(lambda big, new: _put_rows(big, new, a.slots), batch.knobs, a.knobs)
+  return SlotBatch(state=state, knobs=knobs)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def advance_slots(programs: SlotPrograms, params, batch: SlotBatch) -> SlotBatch:
   """Up to `steps` D2F steps over every slot; returns early once a slot that was live has finished."""
-  slots = state.tokens.shape[0]
-  was_done = state.done
-  step = baselines.step_ar if _is_ar(spec) else pipeline.step
+  spec, knobs = programs.spec, batch.knobs
+  slots = batch.state.tokens.shape[0]
+  was_done = batch.state.done
+  step = baselines.step_ar if programs.is_ar else pipeline.step
 
   def running(carry):
     i, s = carry
-    return (i < steps) & jnp.any(~s.done) & ~jnp.any(s.done & ~was_done)
+    return (i < programs.steps) & jnp.any(~s.done) & ~jnp.any(s.done & ~was_done)
 
   def body(carry):
     i, s = carry
     s = _bounded(step(model, s, knobs, spec), knobs, spec)
-    return i + 1, constrain_loop_state(s, layout, slots)
+    return i + 1, constrain_loop_state(s, programs.layout, slots)
 
-  with mesh_layout(layout):
-    model = nnx.merge(graphdef, params)
-    _, state = jax.lax.while_loop(running, body, (jnp.int32(0), _bounded(state, knobs, spec)))
-  return state
+  with mesh_layout(programs.layout):
+    model = nnx.merge(programs.graphdef, params)
+    _, state = jax.lax.while_loop(running, body, (jnp.int32(0), _bounded(batch.state, knobs, spec)))
+  return batch.replace(state=state)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def release(state, slots: jax.Array):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def release_slots(programs: SlotPrograms, batch: SlotBatch, slots: jax.Array) -> SlotBatch:
   """Free slots now (cancelled requests; `slots` an index or [m] indices): their rows are frozen and their
   compute wasted until refilled."""
-  return state.replace(done=state.done.at[slots].set(True))
+  return batch.replace(state=batch.state.replace(done=batch.state.done.at[slots].set(True)))
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def readout(state, *, spec: DecodeSpec):
+@functools.partial(jax.jit, static_argnums=0)
+def read_slots(programs: SlotPrograms, batch: SlotBatch) -> dict:
   """What the host needs each round: responses [S, N], trace [S, N], done, forwards and the d2f
   diagnostics [S] (zero for ar; a few KB, not the cache)."""
-  width, n = _prompt_width(state, spec), spec.max_new_tokens
+  state = batch.state
+  width, n = _prompt_width(state, programs.spec), programs.spec.max_new_tokens
   zeros = jnp.zeros_like(state.forwards)
   stats = {k: getattr(state, k, zeros) for k in STAT_KEYS}
   return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
