@@ -12,8 +12,9 @@ local expert. How pairs reach their shard depends on how the tokens are split:
   traffic), so no pair is ever dropped and the output equals the unsharded one; a capacity factor would
   shrink the buffers but drop pairs, which changes outputs, so none is offered.
 
-Without an active layout, on one device, or where the axis does not divide the experts, `sharded_experts`
-returns None and the caller computes the experts as on one device (models/moe.py).
+Without an active layout, on one device, where the axis does not divide the experts, or on GPUs (see
+`_grouped_matmul_in_shard_map`), `sharded_experts` returns None and the caller computes the experts as on one
+device (models/moe.py), which XLA's partitioner splits by the sharding rules.
 """
 
 from __future__ import annotations
@@ -31,31 +32,38 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   return jax.nn.silu(gate) * up
 
 
-def local_experts(rows: jax.Array, ids: jax.Array, w: dict, first: jax.Array) -> jax.Array:
-  """Outputs [M, E] float32 of pair rows [M, E] through their experts `ids` [M] (global ids; -1: no pair),
-  for the pairs whose expert is one of this shard's [first, first + X_local); zero for the others."""
-  dtype = rows.dtype
+def local_experts(h: jax.Array, ids: jax.Array, weights: jax.Array, w: dict, first: jax.Array | int) -> jax.Array:
+  """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) [N, E] float32 over the (token, choice) pairs whose expert
+  is one of this shard's [first, first + X_local); h [N, E], ids / weights [N, k] (global ids; -1: no pair).
+  The pairs are sorted by local expert (others last) and run as one grouped matmul per projection."""
+  dtype = h.dtype
+  n, k = ids.shape
   count = w["expert_gate"].shape[0]  # X_local
-  local = ids - first  # [M]
-  mine = (ids >= 0) & (local >= 0) & (local < count)
+  flat = ids.reshape(-1)  # [N * k]
+  local = flat - first
+  mine = (flat >= 0) & (local >= 0) & (local < count)
   key = jnp.where(mine, local, count)  # pairs of other shards sort last
   order = jnp.argsort(key, stable=True)
-  group_sizes = jnp.zeros((count,), jnp.int32).at[key].add(1, mode="drop")  # [X_local]
-  sorted_rows = rows[order]  # [M, E]
-  gate = jax.lax.ragged_dot(sorted_rows, w["expert_gate"].astype(dtype), group_sizes)  # [M, F]
-  up = jax.lax.ragged_dot(sorted_rows, w["expert_up"].astype(dtype), group_sizes)
-  out = jax.lax.ragged_dot(swiglu(gate, up), w["expert_down"].astype(dtype), group_sizes)  # [M, E]
-  unsorted = jnp.zeros(out.shape, jnp.float32).at[order].set(out.astype(jnp.float32))
-  return jnp.where(mine[:, None], unsorted, 0.0)
+  token = order // k  # [N * k]: the token of each sorted pair
+  rows = h[token]  # [N * k, E]
+  if count == 1:  # one expert here: a plain matmul (XLA:GPU finds no tiling for some one-group ragged dots)
+    gate = jnp.einsum("me,ef->mf", rows, w["expert_gate"][0].astype(dtype))
+    up = jnp.einsum("me,ef->mf", rows, w["expert_up"][0].astype(dtype))
+    out = jnp.einsum("mf,fe->me", swiglu(gate, up), w["expert_down"][0].astype(dtype))
+  else:
+    group_sizes = jnp.zeros((count,), jnp.int32).at[key].add(1, mode="drop")  # [X_local]
+    gate = jax.lax.ragged_dot(rows, w["expert_gate"].astype(dtype), group_sizes)  # [N * k, F]
+    up = jax.lax.ragged_dot(rows, w["expert_up"].astype(dtype), group_sizes)
+    out = jax.lax.ragged_dot(swiglu(gate, up), w["expert_down"].astype(dtype), group_sizes)  # [N * k, E]
+  scale = jnp.where(mine, weights.reshape(-1), 0.0)[order]  # [N * k]: zero for other shards' pairs
+  weighted = jnp.where(mine[order][:, None], out.astype(jnp.float32), 0.0) * scale[:, None]
+  return jnp.zeros((n, h.shape[-1]), jnp.float32).at[token].add(weighted)
 
 
 def _replicated_tokens(h, experts, weights, w, axis: str):
   """Per shard: every local pair is here; compute this shard's experts' share, add the shards' shares."""
-  n, k = experts.shape
   first = jax.lax.axis_index(axis) * w["expert_gate"].shape[0]
-  rows = jnp.repeat(h, k, axis=0)  # [N * k, E]: pair p = (token p // k, choice p % k)
-  out = local_experts(rows, experts.reshape(-1), w, first).reshape(n, k, -1)  # [N, k, E]
-  return jax.lax.psum(jnp.einsum("nke,nk->ne", out, weights), axis)
+  return jax.lax.psum(local_experts(h, experts, weights, w, first), axis)
 
 
 def _split_tokens(h, experts, weights, w, axis: str, shards: int):
@@ -69,17 +77,26 @@ def _split_tokens(h, experts, weights, w, axis: str, shards: int):
   send = jnp.where(to[:, :, None], rows[None], jnp.zeros((), h.dtype))  # [S, C, E]
   send_ids = jnp.where(to, ids[None], -1)  # [S, C]
   recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [S, C, E]: row s from source shard s
-  recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+  recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True).reshape(-1, 1)  # [S * C, 1]
   first = jax.lax.axis_index(axis) * count
-  done = local_experts(recv.reshape(-1, h.shape[-1]), recv_ids.reshape(-1), w, first)  # [S * C, E]
+  done = local_experts(recv.reshape(-1, h.shape[-1]), recv_ids, jnp.ones(recv_ids.shape, jnp.float32), w,
+                       first)  # [S * C, E]
   back = jax.lax.all_to_all(done.reshape(recv.shape), axis, 0, 0, tiled=True)  # [S, C, E]: row d from shard d
   out = back.sum(axis=0).reshape(n, k, -1)  # each pair came back from one shard, zeros from the rest
   return jnp.einsum("nke,nk->ne", out, weights)
 
 
+def _grouped_matmul_in_shard_map(mesh) -> bool:
+  """Whether the mesh's compiler takes `ragged_dot` inside shard_map. XLA:GPU (jax 0.10.2) does not always:
+  tiny-llada2's decode on 8xH100 fails with "Couldn't find output tile sizes" for the grouped matmul's dot,
+  while the same matmul partitioned by XLA compiles; on GPUs the experts stay on that path."""
+  devices = getattr(mesh, "devices", None)
+  return devices is None or devices.flat[0].platform not in ("gpu", "cuda", "rocm")
+
+
 def expert_axis(layout: MeshLayout | None, num_experts: int) -> str | None:
   """The mesh axis the experts split over under `layout`, if any and if its size divides them."""
-  if layout is None or layout.expert_axis is None:
+  if layout is None or layout.expert_axis is None or not _grouped_matmul_in_shard_map(layout.mesh):
     return None
   size = layout.mesh.shape[layout.expert_axis]
   return layout.expert_axis if size > 1 and num_experts % size == 0 else None

@@ -59,9 +59,7 @@ def experts_dense(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array)
 def experts_ragged(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array) -> jax.Array:
   """sum_k weight_k * expert_k(h) [N, E] in float32, each token through its k experts only: the N * k
   (token, expert) pairs sorted by expert, one grouped matmul per projection."""
-  n, k = experts.shape
-  out = local_experts(jnp.repeat(h, k, axis=0), experts.reshape(-1), w, 0).reshape(n, k, -1)  # [N, k, E]
-  return jnp.einsum("nke,nk->ne", out, weights)
+  return local_experts(h, experts, weights, w, 0)
 
 
 def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
