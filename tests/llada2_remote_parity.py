@@ -57,7 +57,8 @@ def _stand_in_for_training_imports() -> None:
 
 
 def load_remote(remote_code: pathlib.Path, hf_dir: pathlib.Path, lm_head_scale: float):
-  """The remote LLaDA2MoeModelLM on the checkpoint's tensors, float32, SDPA attention (as the Hub loads it), eval mode."""
+  """The remote LLaDA2MoeModelLM on the checkpoint's tensors: float32, SDPA attention (as the Hub loads it),
+  eval mode."""
   import torch
   from safetensors.torch import load_file
   for name in ("modeling_llada2_moe.py", "configuration_llada2_moe.py"):

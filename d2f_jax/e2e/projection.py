@@ -6,9 +6,10 @@ This is a projection, not a measurement. Per forward (batch 1, bf16 weights and 
   time  = max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)
 with n the tokens the forward computes, c the cached tokens it attends to, P_layers the transformer layers'
 parameters a token uses (a mixture of experts: its k routed experts), P_read those the forward reads (a
-mixture of experts: the experts any of its tokens chose) and E V the output head. tokens/s = measured tokens per forward / time. Host overhead, kernel
-efficiency and launch latency are left out, so real numbers are lower; the ratios between methods are the
-point, and they follow from the measured tokens per forward and window widths.
+mixture of experts: the experts any of its tokens chose) and E V the output head. tokens/s = measured tokens
+per forward / time. Host overhead, kernel efficiency and launch latency are left out, so real numbers are
+lower; the ratios between methods are the point, and they follow from the measured tokens per forward and
+window widths.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def layer_params(config: ModelConfig) -> int:
     return config.num_layers * _attention_params(config) + dense
   expert = 3 * e * moe.expert_mlp_dim
   per_moe_layer = e * moe.num_experts + (moe.num_shared_experts + moe.experts_per_token) * expert
-  return config.num_layers * _attention_params(config) + dense + (config.num_layers - config.dense_layers) * per_moe_layer
+  moe_layers = config.num_layers - config.dense_layers
+  return config.num_layers * _attention_params(config) + dense + moe_layers * per_moe_layer
 
 
 def layer_params_read(config: ModelConfig, tokens: float) -> float:

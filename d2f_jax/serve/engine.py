@@ -128,7 +128,6 @@ class Engine:
     return time.perf_counter() - start
 
   # --- the engine's thread (serve/background.py) ----------------------------------------------------------
-
   def start(self) -> None:  # rounds on the engine's own thread from now on (what the server does)
     self.thread.start()
 
@@ -170,9 +169,10 @@ class Engine:
       self._admitting = False
       self._lock.notify_all()
     if self.thread.started:
-      return self.thread.shutdown(grace_s)
-    self.cancel_all()
-    self.run_until_idle()  # no thread: deliver the cancellations here
+      self.thread.shutdown(grace_s)
+    else:
+      self.cancel_all()
+      self.run_until_idle()  # no thread: deliver the cancellations here
 
   # --- the loop -------------------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 never recompiles after warm-up (one insert program per prompt bucket and admission count, one advance program).
 
 `SlotPrograms` is their one static context (graphdef, spec, layout, steps per call): frozen and hashable, the
-jitted methods' static self, as gemma's sampler carries its loop. The device side of the slots is one pytree,
-`SlotBatch` (the loop state's rows and each slot's knobs): `batch = programs.advance(params, batch)`.
+static first argument of each jitted program, as gemma's sampler carries its loop; its methods call them. The
+device side of the slots is one pytree, `SlotBatch` (the loop state's rows and each slot's knobs):
+`batch = programs.advance(params, batch)`.
 
 The slot batch is a D2F loop state (decode/pipeline.py) whose rows start at different times. A row's
 decode touches only its own row, so a request decodes exactly as it would alone:

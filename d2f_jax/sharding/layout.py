@@ -95,8 +95,7 @@ def layout_from_rules(mesh, rules) -> MeshLayout:
   experts by all-to-all)."""
   batch_axes = tuple(a for a in rule_axes(rules, "batch", mesh) if mesh.shape[a] > 1)
   heads = [a for a in rule_axes(rules, "heads", mesh) if mesh.shape[a] > 1 and a not in batch_axes]
-  names = dict(rules)
-  experts = [a for a in rule_axes(rules, "expert", mesh) if mesh.shape[a] > 1] if "expert" in names else []
+  experts = [a for a in rule_axes(rules, "expert", mesh) if mesh.shape[a] > 1]
   return MeshLayout(mesh=mesh, batch_axes=batch_axes, head_axis=heads[0] if heads else None,
                     expert_axis=experts[0] if experts else None)
 

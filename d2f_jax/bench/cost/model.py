@@ -96,10 +96,9 @@ def accounted_cost(compiled: dict, config, shape: StepShape, mesh_shape: dict) -
 
 
 def weights_per_device(config, mesh_shape: dict) -> float:
-  """Bytes of the layer weights and the head per device a one-token forward reads: a floor under any forward's
-  traffic (every weight it uses is read at least once; replicated parts only raise the real figure)."""
-  weights = projection.layer_params_read(config, 1) + config.embed_dim * config.vocab_size
-  return BYTES * weights / mesh_shape.get("tensor", 1)
+  """Bytes of the layer weights a token uses (a mixture of experts: its k experts) and the head, per device: a
+  floor under any forward's traffic (each is read at least once; replicated parts only raise the real figure)."""
+  return BYTES * (projection.layer_params(config) + config.embed_dim * config.vocab_size) / mesh_shape.get("tensor", 1)
 
 
 def implausible_bytes(compiled: dict, accounted: dict, config, mesh_shape: dict) -> str | None:
