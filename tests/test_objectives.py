@@ -102,6 +102,29 @@ def test_mdm_semi_ar_rows_are_a_semi_ar_decodes_states():
   assert seen_window, "some row's window was partly masked"
 
 
+def test_mdm_suffix_weight_scales_only_the_suffix_after_the_window():
+  """suffix_weight=0 keeps the masks (same key) and the window's 1/t weights; the all-masked suffix after the
+  window weighs 0 (in the loss: absent); iid rows (semi_ar=0) are untouched by it."""
+  config, eps, window = TINY_DREAM, 1e-3, 4
+  tokens, prompt_len = _batch(config, length=32)
+  kw = dict(eps=eps, mask_token_id=config.mask_token_id, window=window)
+  for seed in range(4):
+    key = jax.random.PRNGKey(seed)
+    full = noise_mdm(key, tokens, prompt_len, semi_ar=1.0, **kw)
+    window_only = noise_mdm(key, tokens, prompt_len, semi_ar=1.0, suffix_weight=0.0, **kw)
+    np.testing.assert_array_equal(np.asarray(full.masked), np.asarray(window_only.masked))
+    w_full, w_window = np.asarray(full.weight), np.asarray(window_only.weight)
+    kept = w_window > 0
+    np.testing.assert_array_equal(w_window[kept], w_full[kept])
+    dropped = np.asarray(full.masked) & ~kept  # the suffix: weight 1 before, 0 now, and it is not empty
+    assert dropped.any() and np.all(w_full[dropped] == 1.0)
+    for row in range(3):  # every dropped position lies after every kept one in its row
+      if kept[row].any() and dropped[row].any():
+        assert np.flatnonzero(dropped[row]).min() > np.flatnonzero(kept[row]).max()
+    iid = noise_mdm(key, tokens, prompt_len, semi_ar=0.0, suffix_weight=0.0, **kw)
+    np.testing.assert_array_equal(np.asarray(iid.weight), np.asarray(noise_mdm(key, tokens, prompt_len, **kw).weight))
+
+
 @pytest.mark.parametrize("config", [TINY_LLADA, TINY_DREAM], ids=["llada", "dream"])
 def test_ar_loss_equals_numpy(config):
   model = random_model(config, seed=2)

@@ -51,6 +51,7 @@ def test_parse_arg():
     ("micro_batches", 3, "micro_batches"), ("schedule.kind", "cosine", "schedule.kind"),
     ("mesh.tensor", 0, "mesh.tensor"), ("loss_chunk", 7, "loss_chunk"), ("finetune", "qlora", "finetune"),
     ("optim.lr", 0.0, "optim.lr"), ("data.seq_len", 8, "data.seq_len"), ("mdm.semi_ar", 1.5, "mdm.semi_ar"),
+    ("mdm.suffix_weight", -0.5, "mdm.suffix_weight"),
     ("mdm.window", 0, "mdm.window")])
 def test_bad_fields_are_named(field, value, match):
   c = get_config("tiny")

@@ -14,6 +14,8 @@ response before a uniformly drawn cut is clean, the `window` positions from the 
 probability t, everything after them is masked (weight 1: their t is 1). Still an MDM loss on masked
 tokens; a model trained for minutes does not generalize from iid masks to a long all-masked suffix,
 which a block-by-block decode of a long answer starts every block from (the long miniature's teacher).
+`suffix_weight` scales the loss on that all-masked suffix (1: the MDM weight; 0: the loss is the window's
+alone, as block-diffusion training takes it, so the far, unpredictable tokens add no gradient noise).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class MdmNoised:
 
 
 def noise_mdm(key: jax.Array, tokens: jax.Array, prompt_len: jax.Array, *, eps: float,
-              mask_token_id: int, semi_ar: float = 0.0, window: int = 32) -> MdmNoised:
+              mask_token_id: int, semi_ar: float = 0.0, window: int = 32, suffix_weight: float = 1.0) -> MdmNoised:
   """Mask the response of `tokens` [B, T] (from prompt_len [B] on) with a per-row ratio t ~ U(eps, 1).
 
   t = eps + (1 - eps) u with u = uniform(t_key, [B]); a position is masked iff uniform(mask_key, [B, T]) < t,
@@ -52,15 +54,18 @@ def noise_mdm(key: jax.Array, tokens: jax.Array, prompt_len: jax.Array, *, eps: 
   prompt_len = prompt_len.astype(jnp.int32)[:, None]  # [B, 1]
   response = positions >= prompt_len  # [B, T]
   p = jnp.broadcast_to(t[:, None], (batch, length))  # [B, T] each position's mask probability
+  scale = jnp.ones((batch, length), jnp.float32)  # [B, T] the loss weight's factor (suffix_weight after windows)
   if semi_ar > 0.0:
     row_key, cut_key = jax.random.split(jax.random.fold_in(key, 1))
     chosen = jax.random.uniform(row_key, (batch, 1)) < semi_ar  # [B, 1]
     cut = prompt_len + jnp.floor(jax.random.uniform(cut_key, (batch, 1)) * (length - prompt_len)).astype(jnp.int32)
     staged = jnp.where(positions < cut, 0.0, jnp.where(positions < cut + window, t[:, None], 1.0))  # [B, T]
     p = jnp.where(chosen, staged, p)
+    scale = jnp.where(chosen & (positions >= cut + window), suffix_weight, 1.0)
   masked = response & (jax.random.uniform(mask_key, (batch, length), jnp.float32) < p)
+  weight = jnp.where(masked, scale / jnp.maximum(p, eps), 0.0)  # [B, T]
   return MdmNoised(tokens=jnp.where(masked, mask_token_id, tokens).astype(jnp.int32), clean=tokens.astype(jnp.int32),
-                   masked=masked, weight=jnp.where(masked, 1.0 / jnp.maximum(p, eps), 0.0), response=response, t=t)
+                   masked=masked, weight=weight, response=response, t=t)
 
 
 def mdm_sums(model: Transformer, noised: MdmNoised, *, dropout_key: jax.Array | None = None,

@@ -54,7 +54,7 @@ def _distill_summarize(sums):
 def _mdm_prepare(spec, key, batch):
   return loss_mdm.noise_mdm(key, batch["tokens"], batch["prompt_len"], eps=spec.mdm_eps,
                             mask_token_id=spec.models.config.mask_token_id, semi_ar=spec.mdm_semi_ar,
-                            window=spec.mdm_window)
+                            window=spec.mdm_window, suffix_weight=spec.mdm_suffix_weight)
 
 
 def _mdm_sums(spec, trainable, frozen, inputs, dropout_key):

@@ -41,6 +41,7 @@ class StepSpec:
   mdm_eps: float = 1e-3  # mdm: the mask ratio t ~ U(mdm_eps, 1)
   mdm_semi_ar: float = 0.0  # mdm: fraction of rows noised as a semi-AR decode's states (loss_mdm.py)
   mdm_window: int = 32  # mdm: their partly masked window after the cut
+  mdm_suffix_weight: float = 1.0  # mdm: the loss weight's factor on the all-masked suffix after the window
   # How the model's activations and kernel calls split on the mesh: the rules' layout (spec_from_config and
   # the compiled steps fill it from the mesh and rules); None only for a spec used off any mesh.
   layout: MeshLayout | None = None
@@ -70,7 +71,8 @@ def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Ru
                   micro_batches=config.micro_batches, loss_chunk=config.loss_chunk,
                   batch_sharding=sharding.batch_sharding(mesh, rules), objective=config.objective,
                   mdm_eps=float(config.mdm.eps), mdm_semi_ar=float(config.mdm.get("semi_ar", 0.0)),
-                  mdm_window=int(config.mdm.get("window", 32)), layout=layout_from_rules(mesh, rules))
+                  mdm_window=int(config.mdm.get("window", 32)),
+                  mdm_suffix_weight=float(config.mdm.get("suffix_weight", 1.0)), layout=layout_from_rules(mesh, rules))
 
 
 def _microbatches(tree, m: int, batch_sharding):
