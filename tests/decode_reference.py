@@ -280,3 +280,48 @@ def llada2_block(model, prompt, *, block_size, max_new_tokens, steps, threshold,
     if any(t in stop_ids for t in seq[p:hi]):
       break
   return _finish(seq[p:p + max_new_tokens], trace[:max_new_tokens], stop_ids, cfg.pad_token_id, forwards)
+
+
+def llada21_editing(model, prompt, *, block_size, max_new_tokens, threshold, editing_threshold, max_post_steps,
+                    stop_ids) -> dict:
+  """LLaDA2.1's released generate (token editing), one row, greedy, as its loop reads: per block, before
+  each forward count the forwards begun with no mask left and end the block once they exceed
+  `max_post_steps`; a forward accepts the masks above `threshold` (else the most confident one) and rewrites
+  every decided response token of the block whose argmax differs with probability above `editing_threshold`;
+  a forward that began with no mask and rewrote nothing ends the block. Stop after a block once the response
+  holds a stop id. The mask token is never chosen."""
+  cfg = model.config
+  p = len(prompt)
+  total = -(-(p + max_new_tokens) // block_size) * block_size
+  seq = np.array(list(prompt) + [cfg.mask_token_id] * (total - p), np.int64)
+  trace = np.full(total - p, -1)
+  forwards = rewrites = 0
+  for b in range(p // block_size, total // block_size):
+    lo, hi = b * block_size, (b + 1) * block_size
+    block = range(max(lo, p), hi)
+    post = 0
+    while True:
+      if all(seq[i] != cfg.mask_token_id for i in block):
+        post += 1
+      if post > max_post_steps:
+        break
+      logits = np.array(_logits(model, seq[:hi], "block_causal", prompt_len=0, block_size=block_size))
+      logits[:, cfg.mask_token_id] = -np.inf  # the mask is never chosen (decode/block_sampler.py says why)
+      probs = _softmax(logits)
+      forwards += 1
+      choice = {i: int(np.argmax(probs[i])) for i in block}
+      conf = {i: float(probs[i][choice[i]]) for i in block}
+      masked = [i for i in block if seq[i] == cfg.mask_token_id]
+      high = [i for i in masked if conf[i] > np.float32(threshold)]
+      chosen = high if high or not masked else sorted(masked, key=lambda i: (-conf[i], i))[:1]
+      edits = [i for i in block if i not in masked and choice[i] != seq[i] and conf[i] > np.float32(editing_threshold)]
+      for i in chosen + edits:
+        seq[i] = choice[i]
+        trace[i - p] = forwards - 1
+      rewrites += len(edits)
+      if not masked and not edits:
+        break
+    if any(t in stop_ids for t in seq[p:hi]):
+      break
+  return _finish(seq[p:p + max_new_tokens], trace[:max_new_tokens], stop_ids, cfg.pad_token_id, forwards,
+                 rewrites=rewrites)

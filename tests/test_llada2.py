@@ -236,6 +236,48 @@ def test_llada2s_own_sampler_matches_its_released_loop(sharp, steps, tau_conf, s
     np.testing.assert_array_equal(np.asarray(result.trace[row]), want["trace"], err_msg=where)
 
 
+EDITING_CASES = [(0.9, 0.5, 16, ()), (0.5, 0.0, 3, None), (0.7, 0.5, 0, ())]  # (tau_conf, editing, post, stops)
+
+
+def test_llada21s_token_editing_matches_its_released_loop(sharp):
+  """method='llada2' with editing_threshold (LLaDA2.1's loop: one mask at least a step, decided tokens of the
+  block rewritten above the editing threshold, post-fill forwards up to max_post_steps) against a plain
+  transcription of it, row by row, for the model card's quality mode (16 post steps), its speed mode (capped
+  at 3: a random model's choices flip back and forth) and no post step; the cases together rewrite tokens,
+  so the editing path is exercised, and with editing off the same settings give other tokens."""
+  import decode_reference
+  from d2f_jax.decode import DecodeConfig, generate
+  prompts = PROMPTS + [[5, 6, 7, 8, 9, 10, 11, 12]]
+  rewrites, differs = 0, False
+  for tau_conf, editing, post, stops in EDITING_CASES:
+    config = DecodeConfig(method="llada2", block_size=4, max_new_tokens=12, tau_conf=tau_conf, prompt_buckets=16,
+                          stop_ids=stops, editing_threshold=editing, max_post_steps=post)
+    stop_ids = set(stops) if stops is not None else {sharp.config.eos_token_id}
+    result = generate(sharp, prompts, config)
+    plain = generate(sharp, prompts, config.replace(editing_threshold=None, steps=4))
+    for row, prompt in enumerate(prompts):
+      want = decode_reference.llada21_editing(sharp, prompt, block_size=4, max_new_tokens=12, threshold=tau_conf,
+                                              editing_threshold=editing, max_post_steps=post, stop_ids=stop_ids)
+      where = f"case {(tau_conf, editing, post, stops)} row {row} (prompt of {len(prompt)})"
+      np.testing.assert_array_equal(np.asarray(result.tokens[row]), want["tokens"], err_msg=where)
+      assert int(result.lengths[row]) == want["length"] and int(result.forwards[row]) == want["forwards"], where
+      np.testing.assert_array_equal(np.asarray(result.trace[row]), want["trace"], err_msg=where)
+      rewrites += want["rewrites"]
+    differs |= not np.array_equal(np.asarray(result.tokens), np.asarray(plain.tokens))
+  assert rewrites > 0 and differs, (rewrites, differs)
+
+
+def test_editing_settings_are_refused_by_name():
+  from d2f_jax.decode import DecodeConfig
+  from d2f_jax.decode.config import SettingError
+  for kw, field in ((dict(editing_threshold=0.5), "editing_threshold"),
+                    (dict(method="llada2", editing_threshold=1.5), "editing_threshold"),
+                    (dict(method="llada2", max_post_steps=-1), "max_post_steps")):
+    with pytest.raises(SettingError, match=field) as error:
+      DecodeConfig(**kw)
+    assert error.value.field == field
+
+
 def test_the_openai_server_serves_a_llada2_checkpoint(tmp_path):
   """The real server process on a tiny LLaDA2 checkpoint (released format, with tokenizer), driven by the
   official openai client: completions and streams equal batch-one generate."""

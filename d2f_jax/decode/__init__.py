@@ -7,7 +7,8 @@
 On a mesh: `generate(model.shard(mesh), ...)` (or `mesh=`); `decode_program` compiles the loop ahead of time.
 """
 
-from d2f_jax.decode.config import DREAM_ALGS, DecodeConfig, DecodeSpec, Knobs, resolve
+from d2f_jax.decode.config import DecodeConfig, DecodeSpec, Knobs, resolve
+from d2f_jax.decode.config_checks import DREAM_ALGS
 from d2f_jax.decode.methods import METHODS
 from d2f_jax.decode.mesh import DecodeMesh
 from d2f_jax.decode.result import DecodeResult

@@ -10,6 +10,14 @@ confident ones (an even split of the block over `steps` steps, remainder first).
 mask left or after `steps` steps; a row stops after a block when its response so far holds a stop id, or
 after the block holding position prompt_len + max_new_tokens - 1. Rows are independent (each at its own
 block and step), so a row decodes as it would alone.
+
+With `editing_threshold` (LLaDA2.1's released loop, `spec.editing`): a step accepts the masks above tau_conf,
+else the one most confident (no schedule), and in the same forward rewrites every decided response token of
+the block whose choice differs with a probability above the editing threshold (token-to-token editing; the
+prompt's part is never rewritten). A block ends after a step that began with no mask and edited nothing, or
+before the forward that would be its (max_post_steps + 1)-th to begin with no mask. The mask token is never
+chosen there (its logit is -inf; a trained model gives it ~0): the released loop, which has no step cap while
+masks remain, would re-decode a chosen mask forever.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from d2f_jax.decode.baselines import llada_transfer_counts
-from d2f_jax.decode.config import DecodeSpec, Knobs
+from d2f_jax.decode.config import DecodeSpec, Knobs, per_row
 from d2f_jax.decode.result import DecodeResult, decoded_prefix, make_result
 from d2f_jax.decode.sampling import choose_tokens, is_stop, rank_descending, row_keys, split_rows
 from d2f_jax.models import PAD_ID, align_logits
@@ -30,7 +38,7 @@ class BlockState:
   tokens: jax.Array  # [B, P + N + block] int32: the left-padded prompt, then the response and one block of room
   prompt_len: jax.Array  # [B] int32
   block: jax.Array  # [B] int32: the row's current block (absolute index)
-  block_step: jax.Array  # [B] int32: steps taken in it
+  block_step: jax.Array  # [B] int32: steps taken in it (editing: steps that began with no mask in it)
   done: jax.Array  # [B] bool
   forwards: jax.Array  # [B] int32
   trace: jax.Array  # [B, N + block] int32: the row's forward that accepted each response position
@@ -72,23 +80,38 @@ def step(model, state: BlockState, knobs: Knobs, spec: DecodeSpec) -> BlockState
   """One forward; each live row accepts positions of its current block, and moves on or stops after it."""
   width = state.tokens.shape[1] - _room(spec)
   key, sub = split_rows(state.key, spec.sample)
-  choice, confidence, _ = choose_tokens(_response_logits(model, state, spec), sub, knobs, spec.sample)
+  logits = _response_logits(model, state, spec)  # [B, N + block, V]
+  if spec.editing:  # never choose the mask: a chosen mask stays a mask, and this loop has no step cap
+    logits = logits.at[..., spec.model.mask_token_id].set(-jnp.inf)
+  choice, confidence, _ = choose_tokens(logits, sub, knobs, spec.sample)
   response = state.tokens[:, width:]  # [B, N + block]
   position = state.prompt_len[:, None] + jnp.arange(response.shape[1])[None, :]  # [B, N + block]
   in_block = position // spec.block_size == state.block[:, None]
   live = ~state.done
-  candidate = (response == spec.model.mask_token_id) & in_block & live[:, None]
-  counts = jnp.asarray(llada_transfer_counts(spec.block_size, spec.steps))  # [steps]
-  need = jnp.minimum(counts[jnp.minimum(state.block_step, spec.steps - 1)], candidate.sum(axis=1))  # [B]
-  tau = knobs.tau_conf if jnp.ndim(knobs.tau_conf) == 0 else knobs.tau_conf[:, None]
-  confident = candidate & (confidence > tau)
+  masked = (response == spec.model.mask_token_id) & in_block  # [B, N + block] at the step's start
+  candidate = masked & live[:, None]
+  if spec.editing:  # at least one mask a step, no schedule
+    need = jnp.minimum(1, candidate.sum(axis=1))  # [B]
+  else:
+    counts = jnp.asarray(llada_transfer_counts(spec.block_size, spec.steps))  # [steps]
+    need = jnp.minimum(counts[jnp.minimum(state.block_step, spec.steps - 1)], candidate.sum(axis=1))  # [B]
+  confident = candidate & (confidence > per_row(knobs.tau_conf, 2))
   most = candidate & (rank_descending(jnp.where(candidate, confidence, -jnp.inf)) < need[:, None])
   accept = jnp.where((confident.sum(axis=1) >= need)[:, None], confident, most)
+  if spec.editing:  # decided response tokens of the block the model would now choose otherwise, confidently
+    accept |= (in_block & ~masked & live[:, None] & (choice != response)
+               & (confidence > per_row(knobs.editing_threshold, 2)))
   response = jnp.where(accept, choice, response)
   trace = jnp.where(accept, state.forwards[:, None], state.trace)
   left = ((response == spec.model.mask_token_id) & in_block).any(axis=1)
-  block_step = state.block_step + live
-  ended = live & (~left | (block_step >= spec.steps))  # the block is over for these rows
+  if spec.editing:
+    began_full = ~masked.any(axis=1)  # [B] a post step: it could only edit
+    block_step = state.block_step + (live & began_full)
+    edited = (accept & ~masked).any(axis=1)
+    ended = live & ((began_full & ~edited) | (~left & (block_step + 1 > per_row(knobs.max_post_steps, 1))))
+  else:
+    block_step = state.block_step + live
+    ended = live & (~left | (block_step >= spec.steps))  # the block is over for these rows
   block_end = (state.block + 1) * spec.block_size  # [B]: first position after it
   seen = position < block_end[:, None]
   last = state.block >= _last_block(state.prompt_len, spec)

@@ -7,8 +7,6 @@ traced `Knobs`, so sweeping them (or changing prompts within a length bucket) re
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Literal
 
 import flax.struct
@@ -16,25 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2f_jax.decode.methods import METHODS, Method, check_method_fits
+from d2f_jax.decode.config_checks import MAX_STOP_IDS, SettingError, check
+from d2f_jax.decode.methods import Method, check_method_fits
 from d2f_jax.decode.widths import query_widths_for, window_widths_for
 from d2f_jax.models import ModelConfig
 
 DreamAlg = Literal["confidence", "entropy", "margin"]
-DREAM_ALGS: tuple[str, ...] = ("confidence", "entropy", "margin")
-MAX_STOP_IDS = 8  # stop ids travel as a fixed-size traced array; -1 fills unused slots
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-class SettingError(ValueError):
-  """A decode setting that cannot be run; `.field` names it, so a server can name the client's field."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(f"DecodeConfig.{field} {message}")
-    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +53,12 @@ class DecodeConfig:
     live rows would feed more positions in all than this narrows every row's q (halving from the block
     size) until they fit or q is 1; runs the query-limited step (q = the block size without query_limit,
     the exact tokens while the budget holds). A row's tokens then depend on what shares its batch.
+  editing_threshold: 'llada2' only; None (the default) = LLaDA2.0's sampler. LLaDA2.1's token editing
+    (its released generate): each step also rewrites a decided response token of the current block with the
+    model's choice when that differs and its probability exceeds this (T2T), accepts at least one mask (those
+    above tau_conf, else the most confident; `steps` is unused), and after the block's last mask runs until
+    a step edits nothing, at most `max_post_steps` more forwards. The model card's modes: quality tau_conf
+    0.7 / editing 0.5, speed 0.5 / 0.0 (0.0: rewrite whenever the choice differs).
   cache_decided: a throughput mode of d2f / threshold, False (the default) = off. A position decided in a
     block in flight is fed once more, with its token, and its K/V is kept in the cache from then on instead
     of being fed every step; the kept K/V is approximate (the rest of its block changed since) until the
@@ -94,71 +85,14 @@ class DecodeConfig:
   query_limit: int | None = None  # d2f: masked positions a block in flight feeds per step; None: all (exact)
   position_budget: int | None = None  # d2f: positions a step may feed over the batch; None: no bound
   cache_decided: bool = False  # d2f: decided positions of blocks in flight are cached (approximate), not fed
+  editing_threshold: float | None = None  # llada2: LLaDA2.1's token editing (T2T); None: off (LLaDA2.0)
+  max_post_steps: int = 16  # llada2 with editing: forwards a block may run after its last mask
   # Compile the sampling path (temperature, top-p, top-k as knobs; a row at temperature 0 stays greedy); None:
   # whenever temperature > 0. A server sets it once for every request it may take.
   sample: bool | None = None
 
   def __post_init__(self):
-    if self.method not in METHODS:
-      raise SettingError("method", f"must be one of {METHODS}, got {self.method!r}")
-    for name in ("block_size", "max_new_tokens", "max_blocks_in_flight"):
-      value = getattr(self, name)
-      if name == "max_blocks_in_flight" and value is None:
-        continue
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SettingError(name, f"must be a positive int{' or None' if name[0] == 'm' else ''}, "
-                         f"got {value!r}")
-    if self.window_widths is not None:
-      if (not isinstance(self.window_widths, tuple)
-          or any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.window_widths)):
-        raise SettingError("window_widths", f"must be None or a tuple of positive ints (blocks), "
-                         f"got {self.window_widths!r}")
-    if self.method != "ar" and self.max_new_tokens % self.block_size:
-      raise SettingError("max_new_tokens", f"({self.max_new_tokens}) must be a multiple of "
-                       f"block_size ({self.block_size})")
-    for name in ("tau_add", "tau_act", "tau_conf"):
-      value = getattr(self, name)
-      if not _is_number(value) or not 0.0 <= value <= 1.0:
-        raise SettingError(name, f"must lie in [0, 1], got {value!r}")
-    if not _is_number(self.temperature) or not self.temperature >= 0.0 or math.isinf(self.temperature):
-      raise SettingError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-    if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-      raise SettingError("top_p", f"must lie in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2 ** 31:
-      raise SettingError("top_k", f"must be an int in [0, 2**31) (0: off), got {self.top_k!r}")
-    if self.alg not in DREAM_ALGS:
-      raise SettingError("alg", f"must be one of {DREAM_ALGS}, got {self.alg!r}")
-    if self.steps is not None:
-      if not isinstance(self.steps, int) or self.steps <= 0:
-        raise SettingError("steps", f"must be a positive int or None, got {self.steps!r}")
-      if self.method == "vanilla":
-        blocks = self.max_new_tokens // self.block_size
-        if self.steps % blocks or self.steps // blocks > self.block_size:
-          raise SettingError("steps", f"({self.steps}) must be a multiple of the number of blocks "
-                           f"({blocks}) with at most block_size ({self.block_size}) steps per block")
-    if self.stop_ids is not None:
-      if len(self.stop_ids) > MAX_STOP_IDS or any(not isinstance(t, int) or isinstance(t, bool)
-                                                  or not 0 <= t < 2 ** 31 for t in self.stop_ids):
-        raise SettingError("stop_ids", f"must be at most {MAX_STOP_IDS} non-negative ints, got {self.stop_ids!r}")
-    budget = self.memory_budget_gib
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                               or not math.isfinite(budget) or budget <= 0):
-      raise SettingError("memory_budget_gib", f"must be a positive number of GiB or None, got {budget!r}")
-    for name, value in (("query_limit", self.query_limit), ("position_budget", self.position_budget)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31):
-        raise SettingError(name, f"must be a positive int or None, got {value!r}")
-      if value is not None and self.method not in ("d2f", "threshold"):
-        raise SettingError(name, f"is a mode of method 'd2f' / 'threshold', not {self.method!r}")
-    if not isinstance(self.cache_decided, bool) or (self.cache_decided and self.method not in ("d2f", "threshold")):
-      raise SettingError("cache_decided", f"must be a bool, True only for method 'd2f' / 'threshold', "
-                       f"got {self.cache_decided!r} with method {self.method!r}")
-    if self.sample is not None and not isinstance(self.sample, bool) or self.sample is False and self.temperature > 0:
-      raise SettingError("sample", f"must be None or a bool, and not False with temperature > 0, got "
-                       f"{self.sample!r} (temperature {self.temperature!r})")
-    buckets = (self.prompt_buckets,) if isinstance(self.prompt_buckets, int) else tuple(self.prompt_buckets)
-    if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
-      raise SettingError("prompt_buckets", f"must be a positive int or a tuple of them, "
-                       f"got {self.prompt_buckets!r}")
+    check(self)
 
   def replace(self, **changes) -> "DecodeConfig":
     return dataclasses.replace(self, **changes)
@@ -197,6 +131,7 @@ class DecodeSpec:
   position_budget: int | None = None  # see DecodeConfig
   query_widths: tuple[int, ...] = ()  # query mode: sorted compiled forward widths in positions
   cache_decided: bool = False  # query mode: decided positions in flight are cached, not fed (DecodeConfig)
+  editing: bool = False  # llada2: LLaDA2.1's loop with token editing (DecodeConfig.editing_threshold)
 
   @property
   def num_blocks(self) -> int:
@@ -232,6 +167,8 @@ class Knobs:
   in_flight_cap: jax.Array  # int32: blocks a row may decode at once (1 for 'threshold')
   query_limit: jax.Array  # int32: masks a block in flight feeds per step (query mode); the block size otherwise
   cache_decided: jax.Array  # bool: the row keeps its decided positions' K/V (a spec.cache_decided program)
+  editing_threshold: jax.Array  # f32: llada2 editing rewrites a decided token above this (a spec.editing program)
+  max_post_steps: jax.Array  # int32: llada2 editing: forwards a block may run after its last mask
 
   @classmethod
   def on_host(cls, config: DecodeConfig, model: ModelConfig) -> "Knobs":
@@ -250,7 +187,8 @@ class Knobs:
                stop_ids=np.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), np.int32),
                block_limit=np.int32(num_blocks), in_flight_cap=np.int32(in_flight_cap(run)),
                query_limit=np.int32(run.block_size if run.query_limit is None else run.query_limit),
-               cache_decided=np.bool_(run.cache_decided))
+               cache_decided=np.bool_(run.cache_decided),
+               editing_threshold=np.float32(run.editing_threshold or 0.0), max_post_steps=np.int32(run.max_post_steps))
 
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
@@ -296,5 +234,5 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
                     steps=steps, alg=run.alg,
                     query_mode=query_mode, position_budget=run.position_budget,
                     query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
-                    cache_decided=run.cache_decided)
+                    cache_decided=run.cache_decided, editing=run.editing_threshold is not None)
   return spec, jax.tree.map(jnp.asarray, Knobs.on_host(config, model))

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from d2f_jax import compilation_cache
-from d2f_jax.decode.config import DREAM_ALGS, DecodeConfig
+from d2f_jax.decode.config import DecodeConfig
+from d2f_jax.decode.config_checks import DREAM_ALGS
 from d2f_jax.decode.methods import METHODS
 from d2f_jax.models.config import LAYER_LOOPS
 from d2f_jax.usage import UsageError
@@ -40,7 +41,8 @@ def check_model_flags(args: argparse.Namespace) -> None:
 
 
 def add_decode_flags(parser) -> None:
-  """Add --method, --block_size, thresholds, sampling, steps, alg, --prompt_bucket and --stop_ids."""
+  """Add --method, --block_size, thresholds, sampling, steps, alg, llada2's editing, --prompt_bucket and
+  --stop_ids."""
   parser.add_argument("--method", default=_DEFAULTS.method, choices=METHODS,
                       help="d2f: pipelined blocks with a KV cache; threshold: one block in flight; vanilla: LLaDA "
                            "low-confidence remasking; dream_vanilla: Dream's ordering by --alg; ar: causal decoding")
@@ -61,6 +63,11 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--steps", type=int, default=None,
                       help="vanilla / dream_vanilla steps, llada2 steps per block (default: one per token)")
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
+  parser.add_argument("--editing_threshold", type=float, default=_DEFAULTS.editing_threshold,
+                      help="llada2: LLaDA2.1's token editing, rewrite a decided token above this (quality mode "
+                           "0.5 with --tau_conf 0.7, speed mode 0.0 with 0.5; default: off, LLaDA2.0's sampler)")
+  parser.add_argument("--max_post_steps", type=int, default=_DEFAULTS.max_post_steps,
+                      help="llada2 with editing: forwards a block may run after its last mask")
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
   parser.add_argument("--memory_budget_gib", type=float, default=None,
@@ -100,7 +107,8 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         tau_conf=args.tau_conf, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         steps=args.steps, alg=args.alg, stop_ids=stop_ids, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit,
-                        position_budget=args.position_budget, cache_decided=args.cache_decided)
+                        position_budget=args.position_budget, cache_decided=args.cache_decided,
+                        editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e
 
