@@ -29,7 +29,7 @@ LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # How a mixture-of-experts layer computes its experts (models/moe.py): "ragged" = the tokens sorted by expert
 # and one grouped matmul (`lax.ragged_dot`: each token computes its k experts only); "dense" = every expert on
 # every token, combined with the routing weights (no gather or sort: cheapest for a handful of tokens).
-EXPERT_DISPATCHES: tuple[str, ...] = ("ragged", "dense")
+EXPERT_DISPATCHES: tuple[str, ...] = ("ragged", "dense", "auto")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,9 @@ Two ways to compute the experts, the same numbers up to float32 summation order 
   (`lax.ragged_dot`), so each token computes only its k experts: what prefill and large batches need;
 - `dense`: every expert on every token, weighted by a [N, X] combine matrix that is zero off the choices; no
   sort or gather, for the few tokens of a small decode step (and an independent check of `ragged`).
+- `auto`: per forward, whichever the compiled costs price cheaper for its token count on the platform
+  (AUTO_DISPATCH). A speed option, not the default: a token's float32 sums then depend on how many tokens
+  share its forward (so on what shares its batch), and greedy tokens may change in rare ties.
 Under a mesh layout with an expert axis, `ragged` runs expert-parallel (models/expert_parallel.py).
 """
 
@@ -16,8 +19,36 @@ import jax.numpy as jnp
 
 from d2f_jax.models.config import MoEConfig
 from d2f_jax.models.expert_parallel import local_experts, sharded_experts, swiglu
+from d2f_jax.sharding.layout import current_layout
 
 ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the released router does
+
+# dispatch="auto": per platform, ordered segments (largest token count or None, dispatch); a forward of n
+# tokens takes the first whose count is >= n. The cheaper computation per token count by the compiled costs
+# of one llada2-mini MoE layer priced on the chips' data sheets (`python -m d2f_jax.bench moe_dispatch`, its
+# report shipped as bench/compiled_costs/moe_dispatch.json: gpu from h100, tpu from v5e-1, cpu from this host's
+# compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run ragged_dot as every (token, choice)
+# pair times every expert (k times dense's FLOPs), so ragged wins there only at a few tokens, where reading
+# the dense path's buffers costs more; on TPU ragged computes only the chosen pairs and is never dearer.
+AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
+                 "cpu": ((4, "ragged"), (None, "dense"))}
+AUTO_SOURCES = {"gpu": "h100", "tpu": "v5e-1", "cpu": "cpu"}  # the report's target each platform's rule is from
+
+
+def dispatch_for(moe: MoEConfig, tokens: int, platform: str) -> str:
+  """The expert computation a forward of `tokens` tokens runs on `platform` ('cpu', 'gpu', 'tpu')."""
+  if moe.dispatch != "auto":
+    return moe.dispatch
+  rule = AUTO_DISPATCH["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
+  return next(d for limit, d in rule if limit is None or tokens <= limit)
+
+
+def _platform() -> str:
+  """The platform a traced forward is compiled for: its mesh's devices (a deviceless target's too), else the
+  default backend's."""
+  layout = current_layout()
+  devices = getattr(getattr(layout, "mesh", None), "devices", None)
+  return devices.flat[0].platform if devices is not None else jax.default_backend()
 
 
 def route(h: jax.Array, router: jax.Array, expert_bias: jax.Array | None,
@@ -69,11 +100,12 @@ def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array
   tokens = h.reshape(-1, embed)  # [N, E]
   with jax.named_scope("router"):
     experts, weights = route(tokens, w["router"], w.get("expert_bias"), moe)
+  dispatch = dispatch_for(moe, tokens.shape[0], _platform())
   with jax.named_scope("experts"):
-    out = None if moe.dispatch != "ragged" else sharded_experts(
+    out = None if dispatch != "ragged" else sharded_experts(
         h, w, experts.reshape(batch, length, -1), weights.reshape(batch, length, -1))  # [B, T, E] or None
     if out is None:  # one device, no expert axis, or the dense dispatch
-      compute = experts_ragged if moe.dispatch == "ragged" else experts_dense
+      compute = experts_ragged if dispatch == "ragged" else experts_dense
       out = compute(tokens, w, experts, weights)
     out = out.reshape(-1, embed).astype(h.dtype)  # [N, E]
   if moe.num_shared_experts:
