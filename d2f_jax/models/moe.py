@@ -27,9 +27,10 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # tokens takes the first whose count is >= n. The cheaper computation per token count by the compiled costs
 # of one llada2-mini MoE layer priced on the chips' data sheets (`python -m d2f_jax.bench moe_dispatch`, its
 # report shipped as bench/compiled_costs/moe_dispatch.json: gpu from h100, tpu from v5e-1, cpu from this host's
-# compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run ragged_dot as every (token, choice)
-# pair times every expert (k times dense's FLOPs), so ragged wins there only at a few tokens, where reading
-# the dense path's buffers costs more; on TPU ragged computes only the chosen pairs and is never dearer.
+# compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run
+# ragged_dot as every (token, choice) pair times every expert (k times dense's FLOPs), so ragged wins there
+# only at a few tokens, where reading the dense path's buffers costs more; on TPU ragged computes only the
+# chosen pairs and is never dearer.
 AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
                  "cpu": ((4, "ragged"), (None, "dense"))}
 AUTO_SOURCES = {"gpu": "h100", "tpu": "v5e-1", "cpu": "cpu"}  # the report's target each platform's rule is from
