@@ -42,6 +42,9 @@ def main(argv) -> None:
   except (WorkdirLocked, pipeline.StageConfigChanged, pipeline.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+  except pipeline.StagePreempted as e:  # SIGTERM / a preemption notice: checkpoint saved, not an error of input
+    print(f"stopped: {e}", file=sys.stderr)
+    raise SystemExit(143) from None
   from d2f_jax.e2e.report import TABLE_COLUMNS, table_rows
   from d2f_jax.reporting import format_table
   print(format_table(table_rows(payload["rows"]), TABLE_COLUMNS))

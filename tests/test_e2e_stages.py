@@ -15,6 +15,9 @@ class FakeTrainer:
   """Stands in for the Trainer: 'trains' by writing the export directory, and counts runs."""
   runs = []
 
+  preempted = False  # a class default; the preempted test sets it on one instance
+  step = 0
+
   def __init__(self, config, workdir):
     self.config, self.workdir = config, workdir
 
@@ -87,6 +90,21 @@ def test_a_changed_upstream_stage_changes_the_downstream_identity():
   assert a != b and a["init.total_steps"] == 4 and "model.path" not in a
 
 
+def test_a_preempted_stage_says_so_and_is_not_marked_finished(tmp_path, monkeypatch):
+  """A stage the Trainer stopped on SIGTERM / a preemption notice (checkpoint saved, no export) is reported as
+  stopped at its step, resumable, not as a stage that 'finished without writing its export'; no done marker."""
+  class Preempted(FakeTrainer):
+    def run(self):
+      self.preempted, self.step = True, 3
+      return [{"step": 3, "loss": 1.0}]
+
+  monkeypatch.setattr(pipeline, "Trainer", Preempted)
+  c = _config("smoke")
+  with pytest.raises(pipeline.StagePreempted, match=r"stage student stopped .* at step 3 of 4 .* resumes it"):
+    pipeline.train_stage("student", _student(c, tmp_path), str(tmp_path))
+  assert not os.path.exists(tmp_path / "student" / "stage_done.json")
+
+
 def test_fields_added_later_are_left_out_at_their_defaults():
   """A teacher stage finished before mdm.semi_ar existed trained as its default does: still reused. The long
   variant's teacher (semi_ar > 0) records it; its window is the decode block (32, the default: left out)."""
@@ -97,6 +115,7 @@ def test_fields_added_later_are_left_out_at_their_defaults():
     config = pipeline.stage_config(c, data_path="d", tokenizer_dir="t", **kw)
     identity = pipeline.stage_identity(config)
     assert identity.get("mdm.semi_ar") == semi_ar and "mdm.window" not in identity and config.mdm.window == window
+    assert "mdm.suffix_weight" not in identity and config.mdm.suffix_weight == 1.0
     assert identity["mdm.eps"] == 1e-3
   c = _config("long,smoke")
   c.decode_block_size = 16

@@ -41,7 +41,7 @@ class BlockState:
   block_step: jax.Array  # [B] int32: steps taken in it (editing: steps that began with no mask in it)
   done: jax.Array  # [B] bool
   forwards: jax.Array  # [B] int32
-  trace: jax.Array  # [B, N + block] int32: the row's forward that accepted each response position
+  trace: jax.Array  # [B, N + block] int32: the row's forward that last wrote each response position (editing rewrites)
   key: jax.Array  # [B] one PRNG key per row (sampling.row_keys)
 
 

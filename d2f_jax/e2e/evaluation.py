@@ -176,3 +176,16 @@ def add_ratios(rows: list[dict]) -> list[dict]:
       row[f"speedup_vs_{name}"] = (row["tokens_per_s"] / ref["tokens_per_s"]
                                    if ref and ref["tokens_per_s"] and row["tokens_per_s"] else None)
   return rows
+
+
+def first_trace(c, student, item: dict) -> tuple[np.ndarray, int, str]:
+  """(acceptance trace, block, title) of the student decoding one held-out problem at the paper's thresholds:
+  when each token landed, for report.plot_trace."""
+  tau_add, tau_act, tau_conf = c.d2f_sweep[0]
+  block = decode_block_size(c)
+  dc = DecodeConfig(method="d2f", block_size=block, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
+                    tau_act=tau_act, tau_conf=tau_conf, max_blocks_in_flight=c.max_blocks_in_flight or None)
+  result = generate(student, encode_prompts(student, [item]), dc, key=jax.random.key(c.seed))
+  title = (f"D2F student, one held-out problem: {int(result.forwards[0])} forwards for "
+           f"{int(result.lengths[0])} tokens (paper thresholds)")
+  return jax.device_get(result.trace)[0], block, title

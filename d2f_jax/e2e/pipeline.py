@@ -15,17 +15,14 @@ import os
 import sys
 import time
 
-import jax
 import ml_collections
 
 import d2f_jax
 from d2f_jax import workdir_lock
-from d2f_jax.decode import DecodeConfig, generate
 from d2f_jax.convert.hf_config import ATTENTION_KEY
 from d2f_jax.e2e import data as data_lib
 from d2f_jax.e2e import ceiling, evaluation, report
 from d2f_jax.reporting import write_json
-from d2f_jax.evals.runner import encode_prompts
 from d2f_jax.tasks import tokenizer as tokenizer_lib
 from d2f_jax.tasks.arithmetic import STYLES, ArithmeticTask
 from d2f_jax.train import config as train_config
@@ -104,6 +101,10 @@ class StageConfigChanged(ValueError):
 
 class ConfigError(ValueError):
   """A main-job config that cannot run, caught before any stage trains (not 40 minutes into the run)."""
+
+
+class StagePreempted(RuntimeError):
+  """A stage stopped early by SIGTERM / a preemption notice; its checkpoint is saved and a re-run resumes it."""
 
 
 def check_config(c) -> None:
@@ -194,8 +195,12 @@ def train_stage(name: str, config, workdir: str, identity: dict | None = None, r
   trainer = Trainer(config, stage_dir)  # resumes from the stage's newest checkpoint, if any
   try:
     history = trainer.run()  # exports to <stage>/adapter or <stage>/hf at the end (config.export)
+    stopped_at = trainer.step if trainer.preempted else None
   finally:
     trainer.close()
+  if stopped_at is not None:
+    raise StagePreempted(f"stage {name} stopped by a signal or preemption notice at step {stopped_at} of "
+                         f"{config.total_steps} (checkpoint saved in {stage_dir}); the same command resumes it")
   if not os.path.isdir(export_dir):
     raise RuntimeError(f"stage {name} finished without writing its export {export_dir}")
   if config.finetune != "lora":
@@ -281,19 +286,7 @@ def _run(c, workdir: str) -> dict:
   steps = ceiling.add_ceiling(rows, models, c)
   payload = report.write_results(workdir, rows, summaries, c.to_dict(), steps)
   report.plot_throughput(workdir, rows)
-  _trace_picture(c, models["student"], workdir)
+  report.plot_trace(workdir, *evaluation.first_trace(c, models["student"], held_out_task(c).load(1)[0]))
   say(f"wrote {os.path.join(workdir, 'results.md')}")
   return payload
 
-
-def _trace_picture(c, student, workdir: str) -> None:
-  """Decode the first held-out problem with the paper's default thresholds and draw when each token landed."""
-  item = held_out_task(c).load(1)[0]
-  tau_add, tau_act, tau_conf = c.d2f_sweep[0]
-  block = evaluation.decode_block_size(c)
-  dc = DecodeConfig(method="d2f", block_size=block, max_new_tokens=c.max_new_tokens, tau_add=tau_add,
-                    tau_act=tau_act, tau_conf=tau_conf, max_blocks_in_flight=c.max_blocks_in_flight or None)
-  result = generate(student, encode_prompts(student, [item]), dc, key=jax.random.key(c.seed))
-  report.plot_trace(workdir, jax.device_get(result.trace)[0], block,
-                    f"D2F student, one held-out problem: {int(result.forwards[0])} forwards for "
-                    f"{int(result.lengths[0])} tokens (paper thresholds)")
