@@ -98,11 +98,20 @@ def test_a_preempted_stage_says_so_and_is_not_marked_finished(tmp_path, monkeypa
       self.preempted, self.step = True, 3
       return [{"step": 3, "loss": 1.0}]
 
+  class LastStep(FakeTrainer):  # a notice at the final step: the trainer saved and exported, the stage is done
+    def run(self):
+      self.preempted, self.step = True, self.config.total_steps
+      return super().run()
+
   monkeypatch.setattr(pipeline, "Trainer", Preempted)
+  monkeypatch.setattr(pipeline, "mark_attention", lambda *a: None)
   c = _config("smoke")
   with pytest.raises(pipeline.StagePreempted, match=r"stage student stopped .* at step 3 of 4 .* resumes it"):
     pipeline.train_stage("student", _student(c, tmp_path), str(tmp_path))
   assert not os.path.exists(tmp_path / "student" / "stage_done.json")
+  monkeypatch.setattr(pipeline, "Trainer", LastStep)
+  pipeline.train_stage("student", _student(c, tmp_path), str(tmp_path))
+  assert os.path.exists(tmp_path / "student" / "stage_done.json")
 
 
 def test_fields_added_later_are_left_out_at_their_defaults():

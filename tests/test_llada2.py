@@ -236,7 +236,7 @@ def test_llada2s_own_sampler_matches_its_released_loop(sharp, steps, tau_conf, s
     np.testing.assert_array_equal(np.asarray(result.trace[row]), want["trace"], err_msg=where)
 
 
-EDITING_CASES = [(0.9, 0.5, 16, ()), (0.5, 0.0, 3, None), (0.7, 0.5, 0, ())]  # (tau_conf, editing, post, stops)
+EDITING_CASES = [(0.7, 0.5, 16, ()), (0.5, 0.0, 3, None), (0.9, 0.5, 0, ())]  # (tau_conf, editing, post, stops)
 
 
 def test_llada21s_token_editing_matches_its_released_loop(sharp):
@@ -265,6 +265,19 @@ def test_llada21s_token_editing_matches_its_released_loop(sharp):
       rewrites += want["rewrites"]
     differs |= not np.array_equal(np.asarray(result.tokens), np.asarray(plain.tokens))
   assert rewrites > 0 and differs, (rewrites, differs)
+
+
+def test_a_stream_with_editing_emits_only_tokens_no_edit_can_change(sharp):
+  """Streaming (runner.stream, the generate CLI's default) with editing sends a block's tokens once the block
+  is over, so the chunks add up to the final answer even where later steps rewrote tokens."""
+  from d2f_jax.decode import DecodeConfig, generate
+  from d2f_jax.decode.runner import stream
+  config = DecodeConfig(method="llada2", block_size=4, max_new_tokens=12, tau_conf=0.5, prompt_buckets=16,
+                        editing_threshold=0.0, max_post_steps=3, stop_ids=())
+  for prompt in PROMPTS:
+    alone = generate(sharp, [prompt], config)
+    streamed = [t for chunk in stream(sharp, prompt, config) for t in chunk.ids]
+    assert streamed == np.asarray(alone.tokens[0, :int(alone.lengths[0])]).tolist(), prompt
 
 
 def test_editing_settings_are_refused_by_name():

@@ -32,6 +32,11 @@ def test_auto_follows_each_platforms_rule():
       assert {moe_lib.dispatch_for(auto, n, platform) for n in (start, end)} == {dispatch}, (platform, start, end)
       start = end + 1
   assert moe_lib.dispatch_for(auto, 1, "cuda") == moe_lib.dispatch_for(auto, 1, "gpu")
+  assert moe_lib.dispatch_for(auto, 10 ** 6, "metal") == "ragged"  # no rule: the default
+  # dense's [N, X, E] float32 buffer past DENSE_BUFFER_BYTES (a long prefill) keeps ragged
+  big = moe_lib.DENSE_BUFFER_BYTES // (4 * auto.num_experts * 2048) + 1
+  assert moe_lib.dispatch_for(auto, big - 1, "gpu", 2048) == "dense"
+  assert moe_lib.dispatch_for(auto, big, "gpu", 2048) == "ragged"
   for fixed in ("dense", "ragged"):  # a fixed dispatch is never overridden
     assert {moe_lib.dispatch_for(_auto(fixed), n, p) for n in (1, 10 ** 6) for p in ("cpu", "gpu", "tpu")} == {fixed}
 
@@ -63,6 +68,7 @@ def test_an_auto_forward_runs_the_chosen_path_and_equals_both(monkeypatch):
   """With a CPU rule of ragged up to 8 tokens, dense beyond: a 3-token forward holds a ragged_dot, a 24-token
   one none, and both equal the fixed dispatches to float32 summation order."""
   monkeypatch.setitem(moe_lib.AUTO_DISPATCH, "cpu", ((8, "ragged"), (None, "dense")))
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the rule patched is the CPU's, whatever runs
   w = _weights(jax.random.PRNGKey(0))
   for tokens, path in ((3, "ragged"), (24, "dense")):
     h = jax.random.normal(jax.random.PRNGKey(tokens), (1, tokens, CONFIG.embed_dim), jnp.float32)

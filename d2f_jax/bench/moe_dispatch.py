@@ -90,6 +90,7 @@ def compile_costs(target, model: str, token_counts: list[int], log=print) -> dic
 
 
 def _cheaper(dense_ms: float, ragged_ms: float) -> str:
+  """Dense only where it is priced more than MARGIN cheaper: ragged is the default."""
   return "dense" if dense_ms < (1 - MARGIN) * ragged_ms else "ragged"
 
 
@@ -110,6 +111,7 @@ def segments(ms: dict[str, dict[int, float]]) -> list[list]:
 
 
 def report(target_name: str, kind: str, costs: dict) -> dict:
+  """One target's costs priced on its data sheet (ms per dispatch and N) and the segments of the cheaper."""
   sheet = CPU_SHEET if kind == "cpu" else datasheets.by_name(SHEETS[kind])
   ms = {d: {int(n): 1e3 * max(c["flops"] / (sheet.bf16_tflops * 1e12), c["bytes"] / (sheet.hbm_gbps * 1e9))
             for n, c in costs[d].items()} for d in DISPATCHES}
@@ -117,17 +119,17 @@ def report(target_name: str, kind: str, costs: dict) -> dict:
           "ms": {d: {str(n): v for n, v in ms[d].items()} for d in DISPATCHES}, "segments": segments(ms)}
 
 
-def _child(target, argv: list[str], venvs: str, path: str) -> None:
-  python = os.path.join(venvs, "tpu" if target.platform == "tpu" else "cuda", "bin", "python")
+def _child(target, args, path: str) -> None:
+  """Compile `target` in the venv of its compiler (a child process), which writes its costs to `path`."""
+  python = os.path.join(args.accel_venvs, "tpu" if target.platform == "tpu" else "cuda", "bin", "python")
   if not os.path.exists(python):
     raise topo.CompilerMissing(f"{target.name} needs its compiler, missing here and in {os.path.dirname(python)} "
                                "(--accel_venvs; make it with .ci/accel_venvs.sh)")
   root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-  rest = [a for i, a in enumerate(argv) if a != "--target" and (i == 0 or argv[i - 1] != "--target")]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  subprocess.run([python, "-m", "d2f_jax.bench", "moe_dispatch", *rest, "--target", target.name,
-                  "--child_json", path], env=env, check=True)
+  subprocess.run([python, "-m", "d2f_jax.bench", "moe_dispatch", "--model", args.model, "--tokens", args.tokens,
+                  "--target", target.name, "--child_json", path], env=env, check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
       costs = compile_costs(target, args.model, tokens)
     else:
       path = os.path.abspath(f"{args.json}.{target.name}.part")
-      _child(target, argv, args.accel_venvs, path)
+      _child(target, args, path)
       with open(path) as f:
         costs = json.load(f)
       os.remove(path)

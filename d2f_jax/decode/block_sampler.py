@@ -84,6 +84,8 @@ def step(model, state: BlockState, knobs: Knobs, spec: DecodeSpec) -> BlockState
   if spec.editing:  # never choose the mask: a chosen mask stays a mask, and this loop has no step cap
     logits = logits.at[..., spec.model.mask_token_id].set(-jnp.inf)
   choice, confidence, _ = choose_tokens(logits, sub, knobs, spec.sample)
+  if spec.editing:  # a NaN confidence ranks last, so a step still accepts a mask (the loop has no step cap)
+    confidence = jnp.nan_to_num(confidence, nan=-1.0)
   response = state.tokens[:, width:]  # [B, N + block]
   position = state.prompt_len[:, None] + jnp.arange(response.shape[1])[None, :]  # [B, N + block]
   in_block = position // spec.block_size == state.block[:, None]
@@ -108,7 +110,7 @@ def step(model, state: BlockState, knobs: Knobs, spec: DecodeSpec) -> BlockState
     began_full = ~masked.any(axis=1)  # [B] a post step: it could only edit
     block_step = state.block_step + (live & began_full)
     edited = (accept & ~masked).any(axis=1)
-    ended = live & ((began_full & ~edited) | (~left & (block_step + 1 > per_row(knobs.max_post_steps, 1))))
+    ended = live & ((began_full & ~edited) | (~left & (block_step >= per_row(knobs.max_post_steps, 1))))
   else:
     block_step = state.block_step + live
     ended = live & (~left | (block_step >= spec.steps))  # the block is over for these rows
@@ -133,6 +135,10 @@ def finish(state: BlockState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
 
 
 def settled(state: BlockState, spec: DecodeSpec) -> list[int]:
-  """Row 0's decoded response prefix (no mask before it), on the host."""
+  """Row 0's decoded response prefix (no mask before it), on the host; with editing only the finished blocks'
+  part of it, since a decided token of the current block may still be rewritten."""
   width = state.tokens.shape[1] - _room(spec)
-  return decoded_prefix(state.tokens[0, width:width + spec.max_new_tokens], spec.model.mask_token_id)
+  prefix = decoded_prefix(state.tokens[0, width:width + spec.max_new_tokens], spec.model.mask_token_id)
+  if spec.editing and not bool(state.done[0]):
+    return prefix[:max(int(state.block[0]) * spec.block_size - int(state.prompt_len[0]), 0)]
+  return prefix

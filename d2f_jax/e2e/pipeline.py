@@ -195,7 +195,7 @@ def train_stage(name: str, config, workdir: str, identity: dict | None = None, r
   trainer = Trainer(config, stage_dir)  # resumes from the stage's newest checkpoint, if any
   try:
     history = trainer.run()  # exports to <stage>/adapter or <stage>/hf at the end (config.export)
-    stopped_at = trainer.step if trainer.preempted else None
+    stopped_at = trainer.step if trainer.preempted and trainer.step < config.total_steps else None
   finally:
     trainer.close()
   if stopped_at is not None:

@@ -28,7 +28,8 @@ ATTENTION_KINDS: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # How a mixture-of-experts layer computes its experts (models/moe.py): "ragged" = the tokens sorted by expert
 # and one grouped matmul (`lax.ragged_dot`: each token computes its k experts only); "dense" = every expert on
-# every token, combined with the routing weights (no gather or sort: cheapest for a handful of tokens).
+# every token, combined with the routing weights (no gather or sort); "auto" = per forward the one the compiled
+# costs price cheaper for its token count on the platform (models/moe.py AUTO_DISPATCH; a speed option).
 EXPERT_DISPATCHES: tuple[str, ...] = ("ragged", "dense", "auto")
 
 

@@ -14,11 +14,13 @@ Under a mesh layout with an expert axis, `ragged` runs expert-parallel (models/e
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from d2f_jax.models.config import MoEConfig
-from d2f_jax.models.expert_parallel import local_experts, sharded_experts, swiglu
+from d2f_jax.models.expert_parallel import expert_axis, local_experts, sharded_experts, swiglu
 from d2f_jax.sharding.layout import current_layout
 
 ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the released router does
@@ -30,26 +32,38 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run
 # ragged_dot as every (token, choice) pair times every expert (k times dense's FLOPs), so ragged wins there
 # only at a few tokens, where reading the dense path's buffers costs more; on TPU ragged computes only the
-# chosen pairs and is never dearer.
+# chosen pairs and is never dearer. The token count is a device's (the forward's over its batch shards), and
+# dense is never chosen where its [N, X, E] float32 buffer would pass DENSE_BUFFER_BYTES (a long prefill) or
+# where an expert axis runs the experts in parallel (not priced: ragged there).
 AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
                  "cpu": ((4, "ragged"), (None, "dense"))}
 AUTO_SOURCES = {"gpu": "h100", "tpu": "v5e-1", "cpu": "cpu"}  # the report's target each platform's rule is from
+DENSE_BUFFER_BYTES = 1 << 30
 
 
-def dispatch_for(moe: MoEConfig, tokens: int, platform: str) -> str:
-  """The expert computation a forward of `tokens` tokens runs on `platform` ('cpu', 'gpu', 'tpu')."""
+def dispatch_for(moe: MoEConfig, tokens: int, platform: str, embed_dim: int = 0) -> str:
+  """The expert computation a forward of `tokens` tokens a device runs on `platform` ('cpu', 'gpu', 'tpu');
+  a platform without a rule keeps ragged, the default."""
   if moe.dispatch != "auto":
     return moe.dispatch
-  rule = AUTO_DISPATCH["gpu" if platform in ("gpu", "cuda", "rocm") else platform]
-  return next(d for limit, d in rule if limit is None or tokens <= limit)
+  rule = AUTO_DISPATCH.get("gpu" if platform in ("gpu", "cuda", "rocm") else platform, ((None, "ragged"),))
+  chosen = next(d for limit, d in rule if limit is None or tokens <= limit)
+  too_big = tokens * moe.num_experts * embed_dim * 4 > DENSE_BUFFER_BYTES
+  return "ragged" if chosen == "dense" and too_big else chosen
 
 
-def _platform() -> str:
-  """The platform a traced forward is compiled for: its mesh's devices (a deviceless target's too), else the
-  default backend's."""
+def _auto_dispatch(moe: MoEConfig, batch: int, length: int, embed_dim: int) -> str:
+  """dispatch="auto" for a traced forward of [batch, length] tokens under the active layout: the rule of the
+  platform its mesh's devices are (a deviceless target's too; else the default backend's) at the tokens one
+  device holds; ragged where an expert axis applies (the expert-parallel path)."""
   layout = current_layout()
-  devices = getattr(getattr(layout, "mesh", None), "devices", None)
-  return devices.flat[0].platform if devices is not None else jax.default_backend()
+  mesh = getattr(layout, "mesh", None)
+  if mesh is None:
+    return dispatch_for(moe, batch * length, jax.default_backend(), embed_dim)
+  if expert_axis(layout, moe.num_experts) is not None:
+    return "ragged"
+  shards = math.prod(mesh.shape[a] for a in layout.batch_split(batch))
+  return dispatch_for(moe, batch // shards * length, mesh.devices.flat[0].platform, embed_dim)
 
 
 def route(h: jax.Array, router: jax.Array, expert_bias: jax.Array | None,
@@ -101,7 +115,7 @@ def moe_mlp(h: jax.Array, w: dict, moe: MoEConfig) -> tuple[jax.Array, jax.Array
   tokens = h.reshape(-1, embed)  # [N, E]
   with jax.named_scope("router"):
     experts, weights = route(tokens, w["router"], w.get("expert_bias"), moe)
-  dispatch = dispatch_for(moe, tokens.shape[0], _platform())
+  dispatch = _auto_dispatch(moe, batch, length, embed) if moe.dispatch == "auto" else moe.dispatch
   with jax.named_scope("experts"):
     out = None if dispatch != "ragged" else sharded_experts(
         h, w, experts.reshape(batch, length, -1), weights.reshape(batch, length, -1))  # [B, T, E] or None

@@ -15,7 +15,9 @@ probability t, everything after them is masked (weight 1: their t is 1). Still a
 tokens; a model trained for minutes does not generalize from iid masks to a long all-masked suffix,
 which a block-by-block decode of a long answer starts every block from (the long miniature's teacher).
 `suffix_weight` scales the loss on that all-masked suffix (1: the MDM weight; 0: the loss is the window's
-alone, as block-diffusion training takes it, so the far, unpredictable tokens add no gradient noise).
+alone, as block-diffusion training takes it, so the far, unpredictable tokens add no gradient noise). The
+loss stays a sum over the response tokens' count (so it is not comparable across suffix weights), and the
+masked count and accuracy still include the suffix.
 """
 
 from __future__ import annotations
