@@ -36,8 +36,8 @@ MARGIN = 0.05  # dense is chosen where it is priced more than 5 % cheaper than r
 
 def build_parser() -> argparse.ArgumentParser:
   p = ArgumentParser("python -m d2f_jax.bench moe_dispatch", __doc__)
-  p.add_argument("--target", action="append", help="h100, a100, v5e-1, v5p-8, v6e-1, cpu (repeatable; default "
-                                                   "h100, v5e-1, v6e-1, cpu); the first chip of a slice is compiled")
+  p.add_argument("--target", action="append", help="h100, a100, v5e-1, v5p-8, v6e-1, cpu, repeatable; the first "
+                                                   "chip of a slice is compiled (default h100, v5e-1, v6e-1, cpu)")
   p.add_argument("--model", default="llada2-mini", help="a MoE model preset (default llada2-mini)")
   p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,4096", help="token counts N (comma list)")
   p.add_argument("--accel_venvs", default=os.environ.get("D2F_ACCEL_VENVS", os.path.expanduser("~/accel")),
