@@ -15,7 +15,7 @@ from d2f_jax.bench import moe_dispatch as bench
 from d2f_jax.models import moe as moe_lib
 from d2f_jax.models import preset
 
-REPORT = os.path.join(os.path.dirname(bench.__file__), "compiled_costs", "moe_dispatch.json")
+REPORT = os.path.join(os.path.dirname(bench.__file__), "reports", "moe_dispatch.json")
 CONFIG = preset("tiny-llada2")
 
 

@@ -9,7 +9,7 @@ tokens, both ways (models/moe.py): `dense` (every expert on every token, one com
 analysis (bench/cost/compiled.cost_of) and prices them on the target's data sheet:
 ms = max(FLOPs / peak, bytes / bandwidth). The cheaper dispatch per N, as segments ("ragged up to 64
 tokens, then dense"), is what `MoEConfig.dispatch="auto"` runs (models/moe.py's AUTO_DISPATCH, per
-platform, from the report shipped as bench/compiled_costs/moe_dispatch.json; tests/test_moe_dispatch.py
+platform, from the report shipped as bench/reports/moe_dispatch.json; tests/test_moe_dispatch.py
 keeps them equal). Every number is a projection of a compiled program.
 """
 

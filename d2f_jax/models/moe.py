@@ -28,7 +28,7 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # dispatch="auto": per platform, ordered segments (largest token count or None, dispatch); a forward of n
 # tokens takes the first whose count is >= n. The cheaper computation per token count by the compiled costs
 # of one llada2-mini MoE layer priced on the chips' data sheets (`python -m d2f_jax.bench moe_dispatch`, its
-# report shipped as bench/compiled_costs/moe_dispatch.json: gpu from h100, tpu from v5e-1, cpu from this host's
+# report shipped as bench/reports/moe_dispatch.json: gpu from h100, tpu from v5e-1, cpu from this host's
 # compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run
 # ragged_dot as every (token, choice) pair times every expert (k times dense's FLOPs), so ragged wins there
 # only at a few tokens, where reading the dense path's buffers costs more; on TPU ragged computes only the
