@@ -230,8 +230,8 @@ def stages(c) -> list[tuple[str, str, dict]]:
                semi_ar=c.teacher.get("semi_ar", 0.0), suffix_weight=c.teacher.get("suffix_weight", 1.0),
                init="ar")),
          ("student", "D2F asymmetric distillation of the teacher (the student)",
-          dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup, decay=c.student.decay,
-               finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]
+          dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup,
+               decay=c.student.decay, finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]
   if c.llada_teacher.steps > 0:
     out.append(("llada_teacher", "LLaDA-layout teacher trained from scratch with the MDM objective",
                 dict(objective="mdm", steps=c.llada_teacher.steps, lr=c.llada_teacher.lr,

@@ -149,7 +149,8 @@ class ModelConfig:
       except TypeError as e:
         raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is not a dtype name") from e
     if self.attention_kind is not None and self.attention_kind not in ATTENTION_KINDS:
-      raise ValueError(f"ModelConfig.attention_kind must be one of {ATTENTION_KINDS} or None, got {self.attention_kind!r}")
+      raise ValueError(f"ModelConfig.attention_kind must be one of {ATTENTION_KINDS} or None, "
+                       f"got {self.attention_kind!r}")
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f"ModelConfig.layer_loop must be one of {LAYER_LOOPS}, got {self.layer_loop!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
