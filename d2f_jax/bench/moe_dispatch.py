@@ -23,10 +23,10 @@ import sys
 
 from d2f_jax import datasheets
 from d2f_jax.aot import topology as topo
+from d2f_jax.bench.cost import SHEETS, has_compiler
 from d2f_jax.reporting import format_table, write_json
 from d2f_jax.usage import ArgumentParser
 
-SHEETS = {"h100": "H100 SXM", "a100": "A100 80GB", "v5e": "TPU v5e", "v5p": "TPU v5p", "v6e": "TPU v6e", "v4": "TPU v4"}
 # A CPU has no data sheet here: priced at a nominal 2 TFLOP/s and 200 GB/s (a server socket's order), which
 # only the ratio of the two dispatches' costs on it depends on.
 CPU_SHEET = datasheets.Datasheet("CPU (nominal)", 2.0, 200.0)
@@ -112,9 +112,9 @@ def segments(ms: dict[str, dict[int, float]]) -> list[list]:
 
 def report(target_name: str, kind: str, costs: dict) -> dict:
   """One target's costs priced on its data sheet (ms per dispatch and N) and the segments of the cheaper."""
+  from d2f_jax.bench.cost.model import milliseconds
   sheet = CPU_SHEET if kind == "cpu" else datasheets.by_name(SHEETS[kind])
-  ms = {d: {int(n): 1e3 * max(c["flops"] / (sheet.bf16_tflops * 1e12), c["bytes"] / (sheet.hbm_gbps * 1e9))
-            for n, c in costs[d].items()} for d in DISPATCHES}
+  ms = {d: {int(n): milliseconds(c, sheet) for n, c in costs[d].items()} for d in DISPATCHES}
   return {"target": target_name, "datasheet": sheet.name, "costs": costs,
           "ms": {d: {str(n): v for n, v in ms[d].items()} for d in DISPATCHES}, "segments": segments(ms)}
 
@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
   reports = []
   for target in targets:
     print(f"== {args.model} MoE layer on {target.name}")
-    has = {"tpu": topo.has_libtpu, "cuda": topo.has_cuda_plugin}.get(target.platform, lambda: True)()
-    if has:
+    if has_compiler(target):
       costs = compile_costs(target, args.model, tokens)
     else:
       path = os.path.abspath(f"{args.json}.{target.name}.part")
