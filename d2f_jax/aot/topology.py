@@ -13,6 +13,8 @@ import importlib.util
 import math
 import os
 import re
+import subprocess
+import sys
 
 GiB = 1 << 30
 
@@ -164,3 +166,24 @@ def cpu_device_flag(n: int) -> str:
   """XLA_FLAGS with the fake CPU device count set to n (for a child process)."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
   return f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def has_compiler(target: Topology) -> bool:
+  """Whether this interpreter holds `target`'s compiler (the CPU's always)."""
+  return {"tpu": has_libtpu, "cuda": has_cuda_plugin}.get(target.platform, lambda: True)()
+
+
+def run_with_compiler(target: Topology, venvs: str, module_args: list[str]) -> int:
+  """`python -m MODULE_ARGS` in the virtual environment holding `target`'s compiler (VENVS/tpu or VENVS/cuda, as
+  .ci/accel_venvs.sh builds them), this checkout first on its path; the child's exit status. Why: libtpu and
+  the CUDA plugin live in separate environments, so a bench compiling for several targets hands each one whose
+  compiler this interpreter lacks to a child."""
+  venv = os.path.join(venvs, "tpu" if target.platform == "tpu" else "cuda")
+  python = os.path.join(venv, "bin", "python")
+  if not os.path.exists(python):
+    raise CompilerMissing(f"{target.name} needs its compiler, missing here and in {venv} (--accel_venvs; "
+                          "make it with .ci/accel_venvs.sh)")
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the checkout: d2f_jax's parent
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  return subprocess.call([python, "-m", *module_args], env=env, stdout=sys.stdout, stderr=sys.stderr)

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from d2f_jax import datasheets
 from d2f_jax.aot import topology as topo
-from d2f_jax.bench.cost import SHEETS, has_compiler
+from d2f_jax.bench.cost import SHEETS
 from d2f_jax.reporting import format_table, write_json
 from d2f_jax.usage import ArgumentParser
 
@@ -121,15 +120,11 @@ def report(target_name: str, kind: str, costs: dict) -> dict:
 
 def _child(target, args, path: str) -> None:
   """Compile `target` in the venv of its compiler (a child process), which writes its costs to `path`."""
-  python = os.path.join(args.accel_venvs, "tpu" if target.platform == "tpu" else "cuda", "bin", "python")
-  if not os.path.exists(python):
-    raise topo.CompilerMissing(f"{target.name} needs its compiler, missing here and in {os.path.dirname(python)} "
-                               "(--accel_venvs; make it with .ci/accel_venvs.sh)")
-  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  subprocess.run([python, "-m", "d2f_jax.bench", "moe_dispatch", "--model", args.model, "--tokens", args.tokens,
-                  "--target", target.name, "--child_json", path], env=env, check=True)
+  status = topo.run_with_compiler(target, args.accel_venvs, ["d2f_jax.bench", "moe_dispatch", "--model", args.model,
+                                                             "--tokens", args.tokens, "--target", target.name,
+                                                             "--child_json", path])
+  if status:
+    raise SystemExit(f"error: the {target.name} compile (a child in {args.accel_venvs}) exited {status}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
   reports = []
   for target in targets:
     print(f"== {args.model} MoE layer on {target.name}")
-    if has_compiler(target):
+    if topo.has_compiler(target):
       costs = compile_costs(target, args.model, tokens)
     else:
       path = os.path.abspath(f"{args.json}.{target.name}.part")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from d2f_jax.usage import ArgumentParser
@@ -159,21 +158,10 @@ def compile_target(target, programs, cache_path: str, log=print) -> dict:
 
 
 def _child(target, argv: list[str], venvs: str) -> int:
-  venv = os.path.join(venvs, "tpu" if target.platform == "tpu" else "cuda")
-  python = os.path.join(venv, "bin", "python")
-  if not os.path.exists(python):
-    raise topo.CompilerMissing(f"{target.name} needs its compiler, missing here and in {venv} (--accel_venvs; "
-                               f"make it with .ci/accel_venvs.sh)")
-  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the checkout: d2f_jax's parent
+  """This command line for one target, compile only, in the venv of its compiler."""
   rest = [a for i, a in enumerate(argv) if a != "--target" and (i == 0 or argv[i - 1] != "--target")]
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  return subprocess.call([python, "-m", "d2f_jax.bench", "cost", *rest, "--target", target.name, "--compile_only"],
-                         env=env)
-
-
-def has_compiler(target) -> bool:
-  return {"tpu": topo.has_libtpu, "cuda": topo.has_cuda_plugin}.get(target.platform, lambda: True)()
+  return topo.run_with_compiler(target, venvs, ["d2f_jax.bench", "cost", *rest, "--target", target.name,
+                                                "--compile_only"])
 
 
 def tables(target, entries: dict, results: dict, args, log=print) -> list[dict]:
@@ -276,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
   report = []
   for target in targets:
     try:
-      if not has_compiler(target):
+      if not topo.has_compiler(target):
         if _child(target, argv, args.accel_venvs):
           print(f"error: compiling for {target.name} failed in the child process", file=sys.stderr)
           return 1
