@@ -43,9 +43,10 @@ def get_config(arg=None):
   # AR model the teacher reaches 34.4 %.
   c.ar = ml_collections.ConfigDict(dict(steps=1200, lr=2e-3, warmup=60, decay="constant"))
   # semi_ar: the fraction of the teacher's MDM rows noised as a semi-AR decode's states (train/loss_mdm.py);
-  # suffix_weight: the loss weight of those rows' all-masked suffix after the window (0: the window's alone).
+  # suffix_weight: the loss weight of those rows' all-masked suffix after the window (0: the window's alone);
+  # ar_weight: adds this times the AR loss of the clean rows, a causal pass of the same weights (0: MDM alone).
   c.teacher = ml_collections.ConfigDict(dict(steps=1400, lr=1e-3, warmup=30, decay="cosine", semi_ar=0.0,
-                                             suffix_weight=1.0))
+                                             suffix_weight=1.0, ar_weight=0.0))
   c.student = ml_collections.ConfigDict(dict(steps=400, lr=5e-4, warmup=20, finetune="full", lora_rank=32,
                                                decay="cosine"))
   c.llada_teacher = ml_collections.ConfigDict(dict(steps=0, lr=2e-3, warmup=60, decay="cosine"))  # 0: skipped

@@ -181,7 +181,7 @@ def test_long_smoke_run_trains_at_block_16_and_decodes_at_block_32(tmp_path):
 
 # Variant fields added after the committed run, with the value that reproduces how it trained: a committed
 # config without one matches today's at that value (any other value is a changed variant and must be rerun).
-LATER_VARIANT_FIELDS = {("teacher", "suffix_weight"): 1.0}
+LATER_VARIANT_FIELDS = {("teacher", "suffix_weight"): 1.0, ("teacher", "ar_weight"): 0.0}
 
 
 def test_the_committed_long_results_are_the_variants_run():

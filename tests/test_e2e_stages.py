@@ -125,9 +125,15 @@ def test_fields_added_later_are_left_out_at_their_defaults():
     identity = pipeline.stage_identity(config)
     assert identity.get("mdm.semi_ar") == semi_ar and "mdm.window" not in identity and config.mdm.window == window
     assert "mdm.suffix_weight" not in identity and config.mdm.suffix_weight == 1.0
+    assert "mdm.ar_weight" not in identity and config.mdm.ar_weight == 0.0
     assert identity["mdm.eps"] == 1e-3
   c = _config("long,smoke")
   c.decode_block_size = 16
   kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
   kw.pop("init")
   assert pipeline.stage_identity(pipeline.stage_config(c, data_path="d", tokenizer_dir="t", **kw))["mdm.window"] == 16
+  c.teacher.ar_weight = 0.25  # a teacher with the AR loss mixed in records it, so it is not reused as another
+  kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
+  kw.pop("init")
+  config = pipeline.stage_config(c, data_path="d", tokenizer_dir="t", **kw)
+  assert config.mdm.ar_weight == 0.25 and pipeline.stage_identity(config)["mdm.ar_weight"] == 0.25

@@ -51,7 +51,7 @@ def model_overrides(c: ml_collections.ConfigDict, family: str) -> dict:
 
 def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps: int, lr: float, warmup: int,
                  model_path: str | None = None, family: str = "dream", finetune: str = "full", lora_rank: int = 32,
-                 decay: str = "constant", semi_ar: float = 0.0, suffix_weight: float = 1.0):
+                 decay: str = "constant", semi_ar: float = 0.0, suffix_weight: float = 1.0, ar_weight: float = 0.0):
   """A Trainer config for one stage on the pre-tokenized task data: random init of `family` without a
   `model_path`, else initialised from that stage's export (same layout, any objective)."""
   t = train_config.base_config()
@@ -75,6 +75,7 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   t.optim.decay = decay
   if semi_ar:  # mdm rows noised as a semi-AR decode's states, over the decode block (train/loss_mdm.py)
     t.mdm.update(dict(semi_ar=semi_ar, window=evaluation.decode_block_size(c), suffix_weight=suffix_weight))
+  t.mdm.ar_weight = ar_weight  # mdm: plus this times the causal next-token loss of the clean rows
   t.optim.weight_decay = 0.0 if model_path is None else t.optim.weight_decay
   t.mesh.update(dict(data=1, fsdp=-1, tensor=1))
   t.checkpoint.update(dict(every=max(steps // 4, 1), keep=1))
@@ -128,7 +129,7 @@ def data_identity(c) -> dict:
 PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are, not what was trained
 # Trainer fields added after stages were first recorded: left out at these defaults, so older finished stages
 # (which trained as the defaults do) are reused.
-LATER_FIELDS = {"mdm.semi_ar": 0.0, "mdm.window": 32, "mdm.suffix_weight": 1.0}
+LATER_FIELDS = {"mdm.semi_ar": 0.0, "mdm.window": 32, "mdm.suffix_weight": 1.0, "mdm.ar_weight": 0.0}
 
 
 def stage_identity(config, upstream: dict | None = None, data: dict | None = None) -> dict:
@@ -228,7 +229,7 @@ def stages(c) -> list[tuple[str, str, dict]]:
          ("teacher", "MDM adaptation of the AR model with shifted logits (the teacher)",
           dict(objective="mdm", steps=c.teacher.steps, lr=c.teacher.lr, warmup=c.teacher.warmup, decay=c.teacher.decay,
                semi_ar=c.teacher.get("semi_ar", 0.0), suffix_weight=c.teacher.get("suffix_weight", 1.0),
-               init="ar")),
+               ar_weight=c.teacher.get("ar_weight", 0.0), init="ar")),
          ("student", "D2F asymmetric distillation of the teacher (the student)",
           dict(objective="distill", steps=c.student.steps, lr=c.student.lr, warmup=c.student.warmup,
                decay=c.student.decay, finetune=c.student.finetune, lora_rank=c.student.lora_rank, init="teacher"))]

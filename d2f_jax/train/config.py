@@ -62,8 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.schedule = ml_collections.ConfigDict(dict(kind="monotone", low=0.2, high=0.7))  # distill only
   # mdm only: mask ratio t ~ U(eps, 1) per row; semi_ar: fraction of rows noised as a semi-AR decode's states
   # (clean before a cut, `window` positions masked with probability t, all masked after; loss_mdm.py);
-  # suffix_weight: the loss weight's factor on that all-masked suffix (0: the window's loss alone)
-  c.mdm = ml_collections.ConfigDict(dict(eps=1e-3, semi_ar=0.0, window=32, suffix_weight=1.0))
+  # suffix_weight: the loss weight's factor on that all-masked suffix (0: the window's loss alone);
+  # ar_weight: adds this times the causal next-token CE of the clean rows (a second pass; Dream layout only)
+  c.mdm = ml_collections.ConfigDict(dict(eps=1e-3, semi_ar=0.0, window=32, suffix_weight=1.0, ar_weight=0.0))
   c.loss_chunk = 0  # sequence rows per logits chunk (0: whole sequence); bounds the [B, T, V] fp32 buffers
 
   c.data = ml_collections.ConfigDict()
@@ -172,6 +173,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(isinstance(window, int) and window >= 1, "mdm.window", window, "must be an int >= 1")
   suffix_weight = c.get("mdm", {}).get("suffix_weight", 1.0)
   _require(0.0 <= suffix_weight <= 1.0, "mdm.suffix_weight", suffix_weight, "must lie in [0, 1]")
+  ar_weight = c.get("mdm", {}).get("ar_weight", 0.0)
+  _require(isinstance(ar_weight, (int, float)) and ar_weight >= 0.0, "mdm.ar_weight", ar_weight, "must be >= 0")
+  _require(ar_weight == 0.0 or objective == "mdm", "mdm.ar_weight", ar_weight,
+           f"mixes the AR loss into objective 'mdm' only (objective is {objective!r})")
   _require(c.loss_chunk >= 0 and (c.loss_chunk == 0 or c.data.seq_len % c.loss_chunk == 0), "loss_chunk",
            c.loss_chunk, f"must be 0 or divide data.seq_len={c.data.seq_len}")
   _require(c.data.path is not None or c.model.synthetic, "data.path", None,

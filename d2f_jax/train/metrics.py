@@ -38,12 +38,14 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig 
   return 2.0 * (c.num_layers * (per_layer + attention) + c.embed_dim * c.vocab_size)
 
 
-def train_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig | None, teacher: bool = True) -> float:
-  """[teacher fwd] + model fwd + model bwd (2x fwd in full fine-tuning, 1x with LoRA: no base grads).
+def train_flops_per_token(config: ModelConfig, seq_len: int, lora: LoraConfig | None, teacher: bool = True,
+                          passes: int = 1) -> float:
+  """[teacher fwd] + passes x (model fwd + model bwd: 2x fwd in full fine-tuning, 1x with LoRA, no base grads).
 
-  teacher: distillation's frozen teacher forward (counted at the adapted size, like the student's)."""
+  teacher: distillation's frozen teacher forward (counted at the adapted size, like the student's); passes:
+  the trained model's forward-backward passes a row takes (2 for mdm with `ar_weight`: masked and causal)."""
   fwd = forward_flops_per_token(config, seq_len, lora)
-  return fwd * ((1.0 if teacher else 0.0) + 1.0 + (1.0 if lora is not None else 2.0))
+  return fwd * ((1.0 if teacher else 0.0) + passes * (1.0 + (1.0 if lora is not None else 2.0)))
 
 
 def measure_matmul_flops(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:

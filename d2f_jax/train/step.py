@@ -42,6 +42,7 @@ class StepSpec:
   mdm_semi_ar: float = 0.0  # mdm: fraction of rows noised as a semi-AR decode's states (loss_mdm.py)
   mdm_window: int = 32  # mdm: their partly masked window after the cut
   mdm_suffix_weight: float = 1.0  # mdm: the loss weight's factor on the all-masked suffix after the window
+  mdm_ar_weight: float = 0.0  # mdm: factor of the causal next-token CE of the clean rows added to the loss
   # How the model's activations and kernel calls split on the mesh: the rules' layout (spec_from_config and
   # the compiled steps fill it from the mesh and rules); None only for a spec used off any mesh.
   layout: MeshLayout | None = None
@@ -49,6 +50,11 @@ class StepSpec:
   def __post_init__(self):
     if objectives.get(self.objective).teacher and not self.models.teacher:
       raise ValueError(f"objective {self.objective!r} needs a teacher: TrainModels.create(..., teacher=True)")
+    if self.mdm_ar_weight and not self.models.config.logit_shift:
+      # Output row i predicts token i + 1 under the AR loss and token i under an unshifted model's MDM loss:
+      # one head cannot serve both. Dream's layout (logit_shift) predicts i + 1 under both.
+      raise ValueError(f"mdm.ar_weight={self.mdm_ar_weight}: needs a model with Dream's shifted logits "
+                       "(ModelConfig.logit_shift=True); this model's output row i predicts its own token i")
 
   def traced_layout(self):
     """The context the model is traced in, by the train step and the eval step alike."""
@@ -72,7 +78,8 @@ def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Ru
                   batch_sharding=sharding.batch_sharding(mesh, rules), objective=config.objective,
                   mdm_eps=float(config.mdm.eps), mdm_semi_ar=float(config.mdm.get("semi_ar", 0.0)),
                   mdm_window=int(config.mdm.get("window", 32)),
-                  mdm_suffix_weight=float(config.mdm.get("suffix_weight", 1.0)), layout=layout_from_rules(mesh, rules))
+                  mdm_suffix_weight=float(config.mdm.get("suffix_weight", 1.0)),
+                  mdm_ar_weight=float(config.mdm.get("ar_weight", 0.0)), layout=layout_from_rules(mesh, rules))
 
 
 def _microbatches(tree, m: int, batch_sharding):

@@ -89,8 +89,9 @@ class Trainer:
     if self.is_main:  # the restored checkpoint fits: from now on this config is the run's
       write_text(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2))
     self.writer = metrics_lib.Writer(self.workdir)
-    self.flops_per_token = metrics_lib.train_flops_per_token(self.models.config, config.data.seq_len,
-                                                             self.models.lora, teacher=self.models.teacher)
+    self.flops_per_token = metrics_lib.train_flops_per_token(
+        self.models.config, config.data.seq_len, self.models.lora, teacher=self.models.teacher,
+        passes=2 if config.get("mdm", {}).get("ar_weight", 0.0) else 1)
     self.peak_flops = metrics_lib.peak_flops_per_device(config.peak_flops)
 
   def _paths(self) -> tuple[str | None, str | None, str | None]:
