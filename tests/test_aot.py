@@ -86,6 +86,17 @@ def test_overrides_are_typed_like_the_field(monkeypatch):
   assert (config.optim.lr, config.remat, config.lora.rank, model) == (3e-4, False, 8, "llada-8b")
 
 
+@pytest.mark.parametrize("spec,preset", [("configs/llada2_mini.py", "llada2-mini"),
+                                         ("configs/llada2_flash.py:tpu_v5p_64", "llada2-flash"),
+                                         ("configs/llada_8b.py", "llada-8b"), ("configs/dream_7b.py", "dream-7b")])
+def test_a_config_files_name_picks_the_preset_it_distils(spec, preset, monkeypatch):
+  """No model.path in a shipped config: the compile check takes the size from the file name (llada2_* before
+  the LLaDA family, whose name it contains)."""
+  monkeypatch.chdir(ROOT)
+  _, config, model = cli.parse(["--target", "cpu-8", "--config", spec])
+  assert model == config.model.preset == preset
+
+
 def test_decode_mesh_splits_heads_by_the_largest_power_of_two():
   class MC:
     num_heads = 28  # Dream-7B
@@ -122,7 +133,8 @@ def test_quick_train_and_d2f_decode_of_both_families_on_eight_fake_devices(tmp_p
   assert all(r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and r["compiled"]["aliased"] > 0 for r in train)
   decode = [r for r in results if r["program"] != "train"]
   for r in decode:  # 3 rows padded up to a multiple of the row shards
-    assert r["shape"]["rows_compiled"] % r["mesh"]["data"] == 0 and 3 <= r["shape"]["rows_compiled"] < 3 + r["mesh"]["data"]
+    rows = r["shape"]["rows_compiled"]
+    assert rows % r["mesh"]["data"] == 0 and 3 <= rows < 3 + r["mesh"]["data"]
 
 
 def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path):

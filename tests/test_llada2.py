@@ -6,6 +6,7 @@ another model refused by name."""
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +213,18 @@ def test_distillation_trains_lora_on_both_stacks_and_leaves_the_experts(tmp_path
     b = trained.get(f"['{stack}']['q_lora_b']")
     assert b is not None and np.abs(b).max() > 0, (stack, sorted(trained))  # B starts at zero: it was trained
   assert not [k for k in trained if any(n in k for n in ("router", "expert", "shared"))], sorted(trained)
+  # PEFT cannot name LLaDA2's fused q / k / v: the student exports as a whole checkpoint, LoRA merged in, whose
+  # logits are the trained student's (the merge is W + scale a b in float32).
+  out = trainer.export()
+  assert os.path.basename(out) == "hf" and not os.path.exists(tmp_path / "adapter")
+  from flax import nnx
+  graphdef, state = nnx.split(trainer.model())
+  tokens = jnp.asarray(_tokens(21))[None]
+  positions = jnp.arange(21, dtype=jnp.int32)[None]
+  want, _ = forward(graphdef, state, tokens, positions, positions // BLOCK)
+  exported = d2f_jax.load_model(out)
+  assert exported.config.family == "llada2" and exported.config.moe == trainer.models.config.moe
+  np.testing.assert_allclose(_logits(exported, np.asarray(tokens[0])), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
   trainer.close()
 
 

@@ -85,7 +85,8 @@ def test_an_unshifted_model_is_refused_naming_the_field():
 
 @pytest.mark.parametrize("objective, weight, message", [
     ("mdm", -0.1, r"config.mdm.ar_weight=-0.1: must be >= 0"),
-    ("distill", 0.5, r"config.mdm.ar_weight=0.5: mixes the AR loss into objective 'mdm' only \(objective is 'distill'\)"),
+    ("distill", 0.5,
+     r"config.mdm.ar_weight=0.5: mixes the AR loss into objective 'mdm' only \(objective is 'distill'\)"),
     ("ar", 0.5, r"objective is 'ar'"),
 ])
 def test_config_refuses_a_bad_weight_by_name(objective, weight, message):

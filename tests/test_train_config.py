@@ -17,7 +17,8 @@ def get_config(name, arg=None):
 
 @pytest.mark.parametrize("name,arg", [("llada_8b", None), ("llada_8b", "tpu_v5p_64"), ("dream_7b", "gpu_8xh100"),
                                       ("dream_7b", "tpu_v5e_64,runlocal"), ("llada_8b", "runlocal"),
-                                      ("tiny", None), ("tiny", "family=dream,full")])
+                                      ("tiny", None), ("tiny", "family=dream,full"), ("llada2_mini", None),
+                                      ("llada2_mini", "runlocal"), ("llada2_flash", None)])
 def test_config_files_validate(name, arg):
   c = get_config(name, arg)
   if c.model.path is None and not c.model.synthetic:  # the 8B configs take the checkpoint from the command line
@@ -67,3 +68,16 @@ def test_flops_count_the_teacher_and_the_lora_backward():
   assert train_flops_per_token(LLADA_8B, 1024, lora) == pytest.approx(3 * forward_flops_per_token(LLADA_8B, 1024,
                                                                                                   lora))
   assert train_flops_per_token(LLADA_8B, 1024, None) == 4 * fwd
+
+
+def test_the_llada2_configs_keep_the_recipe_at_llada2s_block():
+  """LLaDA2 was trained and decodes in blocks of 32 (its prompt too, from position 0): the student learns at that
+  block; the rest is the authors' LoRA recipe. mini defaults to one 8xH100 host, flash to a v5p-64 pod."""
+  mini, flash, llada = get_config("llada2_mini"), get_config("llada2_flash"), get_config("llada_8b", "gpu_8xh100")
+  for c in (mini, flash):
+    assert (c.block_size, c.optim.lr, c.lora.rank, tuple(c.lora.targets)) == (32, 1e-5, 32, ("q", "k", "v", "o"))
+    assert (c.model.path, c.model.preset) == (None, None)  # the checkpoint comes from the command line
+  assert (mini.mesh.to_dict(), mini.batch_size) == (llada.mesh.to_dict(), llada.batch_size)
+  assert dict(flash.mesh) == dict(get_config("llada_8b", "tpu_v5p_64").mesh) and flash.batch_size == 64
+  assert get_config("llada2_mini", "runlocal").model.preset == "tiny-llada2"
+

@@ -41,7 +41,8 @@ from d2f_jax.sharding.mesh import parse_mesh
 from d2f_jax.sharding.rules import MESH_AXES
 
 EXIT_COMPILE_ERROR, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 1, 2, 3
-_FAMILY_PRESET = {"llada": "llada-8b", "dream": "dream-7b"}
+# A config file's name -> the preset it distils (first match: the LLaDA2 sizes before the LLaDA family).
+_FAMILY_PRESET = {"llada2_mini": "llada2-mini", "llada2_flash": "llada2-flash", "llada": "llada-8b", "dream": "dream-7b"}
 
 
 def define_flags(flag_values, argv: list[str]) -> None:

@@ -202,28 +202,33 @@ def read_peft_adapter(adapter_dir, config: ModelConfig, *, dtype=None, allow_pic
 
 def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelConfig | None = None, *,
                inplace: bool = False, allow_nonfinite: bool = False) -> dict:
-  """Base params with W' = W + scale * a @ b folded in (fp32 math, cast back to W's dtype), per layer.
+  """Base params with W' = W + scale * a @ b folded in (fp32 math, cast back to W's dtype), per layer of every
+  stack the adapter holds (`layers`, and `moe_layers` of a mixture of experts).
 
   Returns a new tree; `inplace=True` overwrites the base arrays instead of allocating new ones.
   """
-  layers = dict(params["layers"])
-  lora_layers = lora_params["layers"] if "layers" in lora_params else lora_params
-  for t in lora.targets:
-    w = layers[t]
-    a, b = lora_layers[f"{t}_lora_a"], lora_layers[f"{t}_lora_b"]
-    if config is not None and tuple(w.shape) != mapping.param_shapes(config)[f"layers/{t}"]:
-      raise AdapterError(f"base parameter layers/{t} has shape {tuple(w.shape)}, expected "
-                         f"{mapping.param_shapes(config)[f'layers/{t}']} for the config")
-    out = w if inplace else np.empty(w.shape, np.dtype(w.dtype))
-    for layer in range(w.shape[0]):
-      delta = np.einsum(MERGE_EINSUM[t], np.asarray(a[layer], np.float32), np.asarray(b[layer], np.float32),
-                        optimize=True)
-      if delta.shape != tuple(w.shape[1:]):
-        raise AdapterError(f"LoRA update for layers/{t} has shape {delta.shape}, base layer shape {w.shape[1:]}")
-      out[layer] = (np.asarray(w[layer], np.float32) + np.float32(lora.scale) * delta).astype(out.dtype)
-      check_finite(f"layers/{t}[{layer}] merged with its LoRA update", out[layer], "merge_lora", allow=allow_nonfinite)
-    layers[t] = out
-  return {**params, "layers": layers}
+  stacks = {k: v for k, v in lora_params.items() if k in ("layers", "moe_layers")} or {"layers": lora_params}
+  out_params = dict(params)
+  for stack, lora_layers in stacks.items():
+    layers = dict(params[stack])
+    for t in lora.targets:
+      w = layers[t]
+      a, b = lora_layers[f"{t}_lora_a"], lora_layers[f"{t}_lora_b"]
+      if config is not None and tuple(w.shape) != mapping.param_shapes(config)[f"{stack}/{t}"]:
+        raise AdapterError(f"base parameter {stack}/{t} has shape {tuple(w.shape)}, expected "
+                           f"{mapping.param_shapes(config)[f'{stack}/{t}']} for the config")
+      out = w if inplace else np.empty(w.shape, np.dtype(w.dtype))
+      for layer in range(w.shape[0]):
+        delta = np.einsum(MERGE_EINSUM[t], np.asarray(a[layer], np.float32), np.asarray(b[layer], np.float32),
+                          optimize=True)
+        if delta.shape != tuple(w.shape[1:]):
+          raise AdapterError(f"LoRA update for {stack}/{t} has shape {delta.shape}, base layer shape {w.shape[1:]}")
+        out[layer] = (np.asarray(w[layer], np.float32) + np.float32(lora.scale) * delta).astype(out.dtype)
+        check_finite(f"{stack}/{t}[{layer}] merged with its LoRA update", out[layer], "merge_lora",
+                     allow=allow_nonfinite)
+      layers[t] = out
+    out_params[stack] = layers
+  return out_params
 
 
 def with_lora(params: dict, lora_params: dict | None) -> dict:

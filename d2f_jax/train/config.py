@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every = 10
   c.eval_every = 500
   c.eval_batches = 8
-  c.export = True  # at the end: <workdir>/adapter (PEFT, LoRA runs) or <workdir>/hf (HF checkpoint, full runs)
+  c.export = True  # at the end: <workdir>/adapter (PEFT, LoRA runs) or <workdir>/hf (HF checkpoint: full runs, LLaDA2)
   c.peak_flops = config_dict.placeholder(float)  # per device; default from the device kind (CPU: measured)
   c.progress_bar = True
   return c

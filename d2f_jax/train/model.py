@@ -21,6 +21,7 @@ from flax import nnx
 
 from d2f_jax import convert
 from d2f_jax.convert.finite import check_tree
+from d2f_jax.convert.lora import peft_target_names
 from d2f_jax.models import LoraConfig, ModelConfig, Transformer, abstract_model, preset
 from d2f_jax import sharding
 
@@ -166,20 +167,35 @@ def gather_to_host(tree) -> Any:
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
+def exports_adapter(models: TrainModels) -> bool:
+  """Whether the student exports as a PEFT adapter: LoRA on a family PEFT can name (not LLaDA2, whose q / k / v
+  are one fused Linear); otherwise it exports as a whole Hugging Face checkpoint, LoRA merged in."""
+  return models.lora is not None and bool(peft_target_names(models.config.family))
+
+
 def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_dir: str | None = None,
-                   aux_dir: str | None = None, attention: str | None = None) -> str | None:
+                   aux_dir: str | None = None, attention: str | None = None, frozen: dict | None = None) -> str | None:
   """The trained student in the PyTorch ecosystem's format: a PEFT adapter directory (LoRA) or a Hugging Face
-  checkpoint in the base's dtype with its tokenizer (full fine-tune; the tokenizer and side files come from
-  `aux_dir`, default `base_dir`; with no base the config.json is generated in the family's format, so a
-  randomly initialised 'llada' / 'dream' model exports like a released one; `attention`, how the objective
-  trained it to attend, goes into config.json and the card). All processes gather, process 0 writes."""
+  checkpoint in the base's dtype with its tokenizer (full fine-tune, or LoRA merged into the `frozen` base where
+  PEFT cannot name the adapted modules; the tokenizer and side files come from `aux_dir`, default `base_dir`;
+  with no base the config.json is generated in the family's format, so a randomly initialised model exports
+  like a released one; `attention`, how the objective trained it to attend, goes into config.json and the
+  card). All processes gather, process 0 writes."""
   host = gather_to_host(trainable)
+  merge_into = None
+  if models.lora is not None and not exports_adapter(models):
+    if frozen is None:
+      raise ValueError(f"a LoRA student of family {models.config.family!r} exports merged into its base: pass "
+                       "frozen=the base parameters")
+    merge_into = gather_to_host(frozen)
   if jax.process_index() != 0:
     return None
   check_tree(host, f"export to {out_dir}", hint="Nothing was exported")  # a NaN / inf weight is never written out
-  if models.lora is not None:
+  if exports_adapter(models):
     return convert.export_peft_adapter(out_dir, models.config, models.lora, host, base_model_name_or_path=base_dir,
                                        overwrite=True)
+  if merge_into is not None:
+    host = convert.merge_lora(merge_into, models.lora, host, models.config)  # new arrays for the targets only
   hf_config = os.path.join(base_dir, "config.json") if base_dir else None
   return convert.export_hf(out_dir, models.config, host, dtype=models.config.param_dtype, aux_dir=aux_dir or base_dir,
                            hf_config_json=hf_config if hf_config and os.path.isfile(hf_config) else None,

@@ -34,7 +34,7 @@ from d2f_jax.train import data as data_lib
 from d2f_jax.train import metrics as metrics_lib
 from d2f_jax.train import divergence, objectives
 from d2f_jax.train.checkpoint import Checkpointer, StopSignal
-from d2f_jax.train.model import TrainModels, export_student, load_base, model_config
+from d2f_jax.train.model import TrainModels, export_student, exports_adapter, load_base, model_config
 from d2f_jax.train.state import abstract_state, create_state
 from d2f_jax.train.step import compiled_eval, compiled_train_step, spec_from_config, summarize
 from d2f_jax.train.synthetic import ensure_synthetic
@@ -196,11 +196,13 @@ class Trainer:
     return self.models.student(self.state.params, self.frozen)
 
   def export(self, out_dir: str | None = None) -> str | None:
-    """The trained model for PyTorch: a PEFT adapter (default <workdir>/adapter) or, after a full fine-tune,
-    a Hugging Face checkpoint (default <workdir>/hf) with the tokenizer of data.tokenizer / the base."""
-    out_dir = out_dir or os.path.join(self.workdir, "adapter" if self.models.lora else "hf")
+    """The trained model for PyTorch: a PEFT adapter (default <workdir>/adapter) or, after a full fine-tune or
+    LoRA on a family PEFT cannot name (LLaDA2: merged into the base), a Hugging Face checkpoint (default
+    <workdir>/hf) with the tokenizer of data.tokenizer / the base."""
+    out_dir = out_dir or os.path.join(self.workdir, "adapter" if exports_adapter(self.models) else "hf")
     return export_student(out_dir, self.models, self.state.params, base_dir=self.model_path,
-                          aux_dir=self.tokenizer_dir, attention=objectives.get(self.config.objective).attention)
+                          aux_dir=self.tokenizer_dir, attention=objectives.get(self.config.objective).attention,
+                          frozen=self.frozen if self.models.lora is not None else None)
 
   def run(self, num_steps: int | None = None) -> list[dict]:
     """Train to config.total_steps (or only `num_steps` more, without the final save: a simulated crash).
