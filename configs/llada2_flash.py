@@ -5,6 +5,9 @@ recipe (LoRA on the attention, router and experts frozen, block 32, LR 1e-5, 102
       --config.model.path=/ckpt/LLaDA2.0-flash --config.data.path=/data/qa.jsonl
   arg: a hardware preset (default tpu_v5p_64: data 4 x fsdp 8, 64 rows a step; gpu_2x8xh100, tpu_v5e_64, ...)
        and/or runlocal (tiny LLaDA2 with synthetic data, a few steps on any machine).
+The student exports merged into the base (PEFT cannot name LLaDA2's fused q / k / v), which needs the whole
+base (~206 GB) on one host: a multi-host run ends without the export and says so; rerun the command on one
+host with ':cpu' and JAX_PLATFORMS=cpu (it resumes at the final step and exports to <workdir>/hf).
 The same step at block 16 (configs/llada_8b.py:tpu_v5p_64 with the llada2-flash preset) compiled and fit v5p-64,
 39.37 GiB of 85.5 usable a chip (docs/models.md); check this one with
 `python -m d2f_jax.aot --target v5p-64 --config configs/llada2_flash.py --program train`.

@@ -97,6 +97,14 @@ def test_a_config_files_name_picks_the_preset_it_distils(spec, preset, monkeypat
   assert model == config.model.preset == preset
 
 
+def test_a_llada2_config_whose_name_has_no_size_is_refused(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  path = tmp_path / "llada2_tiny.py"
+  path.write_text(open(os.path.join(ROOT, "configs", "llada2_mini.py")).read())
+  with pytest.raises(cli.usage.UsageError, match=r"names LLaDA2 but not its size .* --config.model.preset"):
+    cli.parse(["--target", "cpu-8", "--config", str(path)])
+
+
 def test_decode_mesh_splits_heads_by_the_largest_power_of_two():
   class MC:
     num_heads = 28  # Dream-7B

@@ -411,3 +411,30 @@ def test_d2f_on_llada2_decodes_with_its_prompt_blocks(sharp):
   prompts = [PROMPTS[1] * 2]
   assert np.asarray(generate(sharp, prompts, config).tokens).tolist() != \
       np.asarray(generate(unit, prompts, config).tokens).tolist()
+
+
+def test_a_merged_export_covers_the_stacks_each_target_exists_in_and_refuses_many_processes(tmp_path, monkeypatch,
+                                                                                            caplog):
+  """LoRA on an MLP target adapts the dense layers only (the expert stack has no such projection): the merge
+  folds each adapter into its own stack. A multi-process run does not gather the whole base to merge it: it
+  says how to export on one host instead."""
+  from flax import nnx
+  from d2f_jax import convert
+  from d2f_jax.models import LoraConfig, Transformer
+  from d2f_jax.train import model as train_model
+  lora = LoraConfig(rank=2, alpha=4.0, targets=("q", "gate"))
+  module = Transformer(TINY_LLADA2, lora, rngs=nnx.Rngs(0))
+  base = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+  adapter = jax.tree.map(lambda x: np.asarray(x) + 0.1, nnx.to_pure_dict(nnx.state(module, nnx.LoRAParam)))
+  assert "gate_lora_a" in adapter["layers"] and "gate_lora_a" not in adapter["moe_layers"]
+  base = jax.tree.map(np.asarray, base)
+  merged = convert.merge_lora(base, lora, adapter, TINY_LLADA2)
+  for stack, target in (("layers", "q"), ("layers", "gate"), ("moe_layers", "q")):
+    assert np.abs(merged[stack][target] - base[stack][target]).max() > 1e-3, (stack, target)
+  np.testing.assert_array_equal(merged["moe_layers"]["expert_gate"], base["moe_layers"]["expert_gate"])
+  models = train_model.TrainModels.create(TINY_LLADA2, lora, teacher=True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with caplog.at_level("WARNING", logger="d2f_jax.train.model"):
+    assert train_model.export_student(str(tmp_path / "hf"), models, adapter, frozen=base) is None
+  assert "not exported" in caplog.text and "2 processes" in caplog.text and "':cpu' hardware preset" in caplog.text
+  assert not os.path.exists(tmp_path / "hf")

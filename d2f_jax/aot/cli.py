@@ -103,6 +103,9 @@ def adjust_config(config, spec: str, args):
     if not config.model.preset and not config.model.path:
       base = os.path.basename(spec.partition(":")[0]).lower()
       family = next((f for f in _FAMILY_PRESET if f in base), None)
+      if family == "llada" and "llada2" in base:
+        raise ValueError(f"{spec}: the file name names LLaDA2 but not its size (llada2_mini or llada2_flash); "
+                         "pass --config.model.preset=llada2-mini or llada2-flash")
       if family is None:
         raise ValueError(f"{spec}: no model.preset or model.path, and the file name names no family; "
                          "pass --config.model.preset=NAME")

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 GiB = 1 << 30
 
@@ -186,4 +185,4 @@ def run_with_compiler(target: Topology, venvs: str, module_args: list[str]) -> i
   root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the checkout: d2f_jax's parent
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  return subprocess.call([python, "-m", *module_args], env=env, stdout=sys.stdout, stderr=sys.stderr)
+  return subprocess.call([python, "-m", *module_args], env=env)

@@ -212,6 +212,11 @@ def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelC
   for stack, lora_layers in stacks.items():
     layers = dict(params[stack])
     for t in lora.targets:
+      if t not in layers and f"{t}_lora_a" not in lora_layers:
+        continue  # a projection this stack does not have (an expert stack's MLP): no adapter was made for it
+      if t not in layers or f"{t}_lora_a" not in lora_layers:
+        raise AdapterError(f"{stack}/{t}: " + ("the base has no such parameter" if t not in layers else
+                                               f"the adapter has no {t}_lora_a / {t}_lora_b for it"))
       w = layers[t]
       a, b = lora_layers[f"{t}_lora_a"], lora_layers[f"{t}_lora_b"]
       if config is not None and tuple(w.shape) != mapping.param_shapes(config)[f"{stack}/{t}"]:

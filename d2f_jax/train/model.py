@@ -181,13 +181,21 @@ def export_student(out_dir: str, models: TrainModels, trainable: dict, *, base_d
   with no base the config.json is generated in the family's format, so a randomly initialised model exports
   like a released one; `attention`, how the objective trained it to attend, goes into config.json and the
   card). All processes gather, process 0 writes."""
-  host = gather_to_host(trainable)
   merge_into = None
   if models.lora is not None and not exports_adapter(models):
     if frozen is None:
       raise ValueError(f"a LoRA student of family {models.config.family!r} exports merged into its base: pass "
                        "frozen=the base parameters")
+    if jax.process_count() > 1:  # gathering the base would put all of it on every device and host
+      gib = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)) / 2**30
+      log.warning("not exported to %s: a LoRA student of %s exports merged into its base, which needs the whole "
+                  "base (%.1f GiB) on one host, and this run has %d processes. Export it on one host with that "
+                  "much memory: rerun the same command there with the config's ':cpu' hardware preset and "
+                  "JAX_PLATFORMS=cpu (it resumes at the final step and exports)", out_dir, models.config.family,
+                  gib, jax.process_count())
+      return None
     merge_into = gather_to_host(frozen)
+  host = gather_to_host(trainable)
   if jax.process_index() != 0:
     return None
   check_tree(host, f"export to {out_dir}", hint="Nothing was exported")  # a NaN / inf weight is never written out

@@ -71,6 +71,7 @@ def _mdm_sums(spec, trainable, frozen, inputs, dropout_key):
   mdm_key, ar_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
   sums = loss_mdm.mdm_sums(model, noised, dropout_key=mdm_key, chunk=spec.loss_chunk)
   ar = loss_ar.ar_sums(model, noised.clean, targets, dropout_key=ar_key, chunk=spec.loss_chunk)
+  # The router statistics (a mixture of experts) stay the masked pass's.
   return {**sums, "ce": sums["ce"] + spec.mdm_ar_weight * ar["ce"], "mdm_ce": sums["ce"], "ar_ce": ar["ce"],
           "ar_targets": ar["targets"], "ar_correct": ar["correct"]}
 
