@@ -208,6 +208,7 @@ def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelC
   Returns a new tree; `inplace=True` overwrites the base arrays instead of allocating new ones.
   """
   stacks = {k: v for k, v in lora_params.items() if k in ("layers", "moe_layers")} or {"layers": lora_params}
+  shapes = mapping.param_shapes(config) if config is not None else {}
   out_params = dict(params)
   for stack, lora_layers in stacks.items():
     layers = dict(params[stack])
@@ -219,9 +220,9 @@ def merge_lora(params: dict, lora: LoraConfig, lora_params: dict, config: ModelC
                                                f"the adapter has no {t}_lora_a / {t}_lora_b for it"))
       w = layers[t]
       a, b = lora_layers[f"{t}_lora_a"], lora_layers[f"{t}_lora_b"]
-      if config is not None and tuple(w.shape) != mapping.param_shapes(config)[f"{stack}/{t}"]:
+      if shapes and tuple(w.shape) != shapes[f"{stack}/{t}"]:
         raise AdapterError(f"base parameter {stack}/{t} has shape {tuple(w.shape)}, expected "
-                           f"{mapping.param_shapes(config)[f'{stack}/{t}']} for the config")
+                           f"{shapes[f'{stack}/{t}']} for the config")
       out = w if inplace else np.empty(w.shape, np.dtype(w.dtype))
       for layer in range(w.shape[0]):
         delta = np.einsum(MERGE_EINSUM[t], np.asarray(a[layer], np.float32), np.asarray(b[layer], np.float32),

@@ -91,7 +91,7 @@ class Trainer:
     self.writer = metrics_lib.Writer(self.workdir)
     self.flops_per_token = metrics_lib.train_flops_per_token(
         self.models.config, config.data.seq_len, self.models.lora, teacher=self.models.teacher,
-        passes=2 if config.get("mdm", {}).get("ar_weight", 0.0) else 1)
+        passes=2 if self.spec.mdm_ar_weight else 1)
     self.peak_flops = metrics_lib.peak_flops_per_device(config.peak_flops)
 
   def _paths(self) -> tuple[str | None, str | None, str | None]:
