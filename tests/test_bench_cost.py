@@ -124,6 +124,15 @@ def test_projection_arithmetic():
   # of 32; the blocks of the row's own decode (here 16) no longer matter.
   mode = {"method": "d2f", "tokens_per_forward": 4.0, "mean_window_blocks": 5.0, "mean_window_positions": 80.0}
   assert cm.decode_ms(mode, ms, 256, block_size=32) == pytest.approx(20 + 63 * 11.0)
+  # At a batch the window is the one measured there (a forward as wide as its widest row): 2.5 blocks alone,
+  # 3 at batch 32, log2-linear between (2.75 at batch 5.66 ~ 2^2.5), the largest's beyond it.
+  batched = {**mode, "window_at_batch": {"32": {"mean_window_blocks": 6.0, "mean_window_positions": 96.0}}}
+  assert cm.decode_ms(batched, ms, 256, block_size=32, batch=1) == pytest.approx(20 + 63 * 11.0)
+  assert cm.decode_ms(batched, ms, 256, block_size=32, batch=32) == pytest.approx(20 + 63 * 12.0)
+  assert cm.decode_ms(batched, ms, 256, block_size=32, batch=2 ** 2.5) == pytest.approx(20 + 63 * 11.5)
+  assert cm.decode_ms(batched, ms, 256, block_size=32, batch=128) == pytest.approx(20 + 63 * 12.0)
+  assert cm.decode_ms({**batched, "window_at_batch": {"32": {}}}, ms, 256, block_size=32, batch=32) == (
+      pytest.approx(20 + 63 * 11.0))  # a method without windows at batch (older results) keeps its own
   assert cm.decode_ms({"method": "ar", "tokens_per_forward": 1.0}, ms, 256) == pytest.approx(20 + 255 * 5.0)
   assert cm.decode_ms({"method": "vanilla", "tokens_per_forward": 0.5}, ms, 256) is None  # not compiled
   assert cm.crossover(lambda b: 3.0 / b) == "4"  # equal at 3, AR faster from 4
@@ -253,6 +262,10 @@ def test_the_frontier_takes_the_fastest_mode_within_one_standard_error_of_exact_
   want = cost_report.tokens_per_s(close, tables["compiled"], 1, 256, 32)
   assert first["tok_s_compiled"] == pytest.approx(want)
   assert first["ar_tok_s_compiled"] == pytest.approx(cost_report.tokens_per_s(ar, tables["compiled"], 1, 256))
+  # A mode narrow alone but as wide as exact D2F at batch 32 (its widest row) loses batch 32 to the exact row.
+  widening = {**close, "window_at_batch": {"32": {"mean_window_positions": 96.0, "mean_window_blocks": 3.0}}}
+  got = cost_report.frontier_rows([exact, widening, ar], tables, [1, 32], 256, 32)
+  assert [r["mode"] for r in got] == ["add=0.1 act=0.95 conf=0.9 q=8", "exact"]
   # Without the narrower mode the exact row is its own frontier; without an AR row there is none.
   assert {r["mode"] for r in cost_report.frontier_rows([exact, wrong, ar], tables, [1], 256, 32)} == {"exact"}
   assert cost_report.frontier_rows([exact, close], tables, [1], 256, 32) == []

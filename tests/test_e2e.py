@@ -85,6 +85,12 @@ def test_smoke_run_writes_every_artefact_and_resumes(tmp_path):
     assert row["tokens_per_forward"] is None or row["tokens_per_forward"] > 0
     if row["method"] in ("d2f", "threshold"):
       assert 1.0 <= row["mean_in_flight"] <= row["mean_window_blocks"] <= c.max_new_tokens // c.block_size
+      # a batch's forward is as wide as its widest live row, never narrower than a row's own (batch 1) window
+      batched = row["window_at_batch"]["32"]
+      assert batched["mean_window_positions"] >= row["mean_window_positions"]
+      assert batched["mean_in_flight"] == pytest.approx(row["mean_in_flight"])  # blocks in flight are the row's own
+    else:
+      assert row["mean_window_positions"] is None and row["window_at_batch"] == {"32": {}}
   assert [p["method"] for p in payload["projection"]] == [r["method"] for r in rows]
   saved = json.loads((tmp_path / "results.json").read_text())
   assert saved["rows"] == json.loads(json.dumps(rows, default=str))
@@ -143,6 +149,7 @@ def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
   class Result:
     def __init__(self, n):
       self.n, self.forwards = n, np.array([n + 1])
+      self.in_flight_sum, self.window_sum, self.position_sum = np.array([n]), np.array([2 * n]), np.array([3 * n])
 
     def to_lists(self):
       return [[0] * self.n]
@@ -160,4 +167,5 @@ def test_interleaved_timing_rotates_the_rows_and_counts(monkeypatch):
   assert order == [("a", 1), ("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2), ("c", 3), ("a", 3),
                    ("b", 3)]
   assert [(t["tokens"], t["forwards"]) for t in totals] == [(6, 9)] * 3
+  assert [(t["in_flight"], t["window"], t["positions"]) for t in totals] == [(6, 12, 18)] * 3  # the retimed call once
   assert all(t["seconds"] > 0 for t in totals)

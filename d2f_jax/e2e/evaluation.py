@@ -5,9 +5,11 @@ Speed comes from one interleaved timing pass after it: every prompt is decoded b
 order rotating from prompt to prompt), so a slower minute of a shared machine slows every row alike and the
 ratios between rows stay put; timed one row after another, as the harness does, the same run moved D2F's
 ratio to the threshold decoder between 0.96x and 1.07x. The pass must reproduce the harness's tokens and
-forwards exactly (greedy decoding), which it checks. The pipelining diagnostics (mean blocks in flight and
-mean window width per forward) come from a batched greedy pass over the same prompts: rows of a batch decode
-exactly as alone (tests/test_decode), so the per-row statistics are the batch-1 ones, at a fraction of the time.
+forwards exactly (greedy decoding), which it checks. The pipelining diagnostics (mean blocks in flight, window
+width and positions computed per forward) come from the same timing pass, at batch 1, and again from a greedy
+pass at batch 32 (`window_at_batch`): rows of a batch decode exactly as alone (tests/test_decode), but a batch's
+forward runs the compiled width that holds its widest live row, so the window a row pays grows with the batch
+(what bench cost projects at batch reads that growth from these two).
 """
 
 from __future__ import annotations
@@ -74,22 +76,28 @@ def standard_error(percent: float, total: int) -> float:
   return 100.0 * math.sqrt(p * (1.0 - p) / total) if total else float("nan")
 
 
-def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batch: int = 32) -> dict:
-  """Mean blocks in flight, window width (blocks, rounded up) and positions computed per forward, over all
-  forwards of all prompts (a batch's forwards: positions are the widths compiled for the batch, so a
-  throughput mode's row is measured alone, at batch 1, where its narrower windows show)."""
-  if config.method not in ("d2f", "threshold"):
+WINDOW_BATCH = 32  # the batch of the second pipelining measurement (window_at_batch)
+
+
+def window_means(forwards: int, in_flight: int, window: int, positions: int) -> dict:
+  """Mean blocks in flight, window width (blocks) and positions computed per forward from their sums."""
+  if not forwards:
     return {"mean_in_flight": None, "mean_window_blocks": None, "mean_window_positions": None}
-  batch = 1 if config.query_limit is not None or config.position_budget is not None else batch
-  forwards = flight = window = positions = 0
+  return {"mean_in_flight": in_flight / forwards, "mean_window_blocks": window / forwards,
+          "mean_window_positions": positions / forwards}
+
+
+def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batch: int = WINDOW_BATCH) -> dict:
+  """window_means over all forwards of all prompts decoded `batch` at a time (d2f, threshold; {} otherwise):
+  a forward's width and positions are those compiled for the batch's widest live row."""
+  if config.method not in ("d2f", "threshold"):
+    return {}
+  sums = np.zeros(4, np.int64)  # forwards, in flight, window, positions
   for i in range(0, len(prompts), batch):
     result = generate(model, prompts[i:i + batch], config)
-    forwards += int(np.asarray(result.forwards).sum())
-    flight += int(np.asarray(result.in_flight_sum).sum())
-    window += int(np.asarray(result.window_sum).sum())
-    positions += int(np.asarray(result.position_sum).sum())
-  return {"mean_in_flight": flight / forwards, "mean_window_blocks": window / forwards,
-          "mean_window_positions": positions / forwards}
+    sums += [int(np.asarray(x).sum()) for x in (result.forwards, result.in_flight_sum, result.window_sum,
+                                                result.position_sum)]
+  return window_means(*sums)
 
 
 class _Bar:
@@ -127,7 +135,8 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
            "accuracy": result["score"], "stderr": standard_error(result["score"], result["total"]),
            "total": result["total"], "tokens": speed["tokens"], "forwards": speed["forwards"],
            "tokens_per_forward": speed["tokens_per_forward"], "harness_tokens_per_s": speed["tokens_per_s"],
-           "latency_ms": 1000 * speed["latency_s_mean"], **pipelining_stats(model, prompts, dc),
+           "latency_ms": 1000 * speed["latency_s_mean"],
+           "window_at_batch": {str(WINDOW_BATCH): pipelining_stats(model, prompts, dc)},
            "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])),
            "decode": dataclasses.asdict(dc)}
     progress(f"eval {i + 1}: {method} on {role}: exact match {row['accuracy']:.1f} +- {row['stderr']:.1f} %, "
@@ -140,6 +149,8 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
                          f"{timed['forwards']} forwards, the accuracy pass {row['tokens']} in {row['forwards']}: "
                          f"greedy decoding should repeat exactly")
     row["timed_seconds"] = timed["seconds"]
+    row.update(window_means(*(timed[k] for k in ("forwards", "in_flight", "window", "positions")))
+               if row["method"] in ("d2f", "threshold") else window_means(0, 0, 0, 0))
     row["tokens_per_s"] = timed["tokens"] / timed["seconds"] if timed["seconds"] else None
     row["ms_per_forward"] = 1000.0 * timed["seconds"] / timed["forwards"] if timed["forwards"] else None
   return add_ratios(rows)
@@ -147,9 +158,11 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
 
 def interleaved_timing(calls: list[tuple], bar_name: str = "timing") -> list[dict]:
   """Seconds, tokens and forwards of each (model, DecodeConfig, prompts) call over its prompts at batch 1,
-  prompt by prompt with every call in turn (starting one call later each prompt). A call that compiled
-  (a prompt shape not seen before) is timed again, so no compile is timed."""
-  totals = [{"seconds": 0.0, "tokens": 0, "forwards": 0} for _ in calls]
+  prompt by prompt with every call in turn (starting one call later each prompt), and the sums of blocks in
+  flight, window widths and positions computed (d2f, threshold; 0 otherwise). A call that compiled (a prompt
+  shape not seen before) is timed again, so no compile is timed."""
+  totals = [{"seconds": 0.0, "tokens": 0, "forwards": 0, "in_flight": 0, "window": 0, "positions": 0}
+            for _ in calls]
   count = len(calls[0][2]) if calls else 0
   for p in tqdm(range(count), desc=bar_name, dynamic_ncols=True):
     for j in range(len(calls)):
@@ -163,7 +176,9 @@ def interleaved_timing(calls: list[tuple], bar_name: str = "timing") -> list[dic
         seconds = time.perf_counter() - start
       totals[index]["seconds"] += seconds
       totals[index]["tokens"] += len(result.to_lists()[0])
-      totals[index]["forwards"] += int(np.asarray(result.forwards)[0])
+      for key, value in (("forwards", result.forwards), ("in_flight", result.in_flight_sum),
+                         ("window", result.window_sum), ("positions", result.position_sum)):
+        totals[index][key] += int(np.asarray(value)[0])
   return totals
 
 

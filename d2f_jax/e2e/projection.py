@@ -14,6 +14,8 @@ window widths.
 
 from __future__ import annotations
 
+import math
+
 from d2f_jax import datasheets
 from d2f_jax.models import LLADA_8B, ModelConfig
 
@@ -65,12 +67,30 @@ def roofline_forward(config: ModelConfig, n: float, c: float, rows: int = 1) -> 
   return flops, BYTES * (layer_params_read(config, rows * n) + head + rows * (n * config.embed_dim + kv))
 
 
-def window_blocks(row: dict, block_size: int) -> float:
-  """A d2f / threshold row's mean window in blocks of `block_size` (the decode block of the run): its measured
-  positions per forward where the row has them (a throughput mode: not whole blocks, maybe of another block
-  size), else its window blocks."""
-  positions = row.get("mean_window_positions")
-  return positions / block_size if positions else row["mean_window_blocks"]
+def window_blocks(row: dict, block_size: int | None, batch: float = 1) -> float:
+  """A d2f / threshold row's mean window in blocks of `block_size` (the decode block of the run) at `batch`: its
+  measured positions per forward where the row has them and the block is known (a throughput mode: not whole
+  blocks, maybe of another block size), else its window blocks. The row's own fields are its batch-1 window; `window_at_batch` holds
+  those measured at larger batches, where a forward is as wide as its widest row: between two measured
+  batches the window is linear in log2(batch), past the largest it is the largest's (a lower bound: a bigger
+  batch's widest row is wider still)."""
+  points = {1.0: _blocks(row, block_size)}
+  for b, stats in (row.get("window_at_batch") or {}).items():
+    if stats and (stats.get("mean_window_positions") or stats.get("mean_window_blocks")):
+      points[float(b)] = _blocks(stats, block_size)
+  batches = sorted(points)
+  batch = min(max(float(batch), batches[0]), batches[-1])
+  above = min(b for b in batches if b >= batch)
+  below = max(b for b in batches if b <= batch)
+  if above == below:
+    return points[below]
+  t = (math.log2(batch) - math.log2(below)) / (math.log2(above) - math.log2(below))
+  return (1 - t) * points[below] + t * points[above]
+
+
+def _blocks(stats: dict, block_size: int | None) -> float:
+  positions = stats.get("mean_window_positions")
+  return positions / block_size if positions and block_size else stats["mean_window_blocks"]
 
 
 def forward_shape(row: dict, block_size: int, max_new_tokens: int) -> tuple[float, float]:

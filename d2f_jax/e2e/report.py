@@ -79,8 +79,10 @@ def write_results(out_dir: str, rows: list[dict], stages: dict, config: dict, st
       "tokens/fwd = the same "
       "tokens / model forwards; blocks in flight = blocks still decoding per forward (d2f, threshold); window "
       "blocks = width of the forward's window in blocks (the blocks in flight plus finished ones whose cache it "
-      "writes); positions computed per accepted token = positions a forward computes / tokens/fwd (d2f, threshold: "
-      "the compiled window width, measured; vanilla: the whole sequence, prompt + new tokens; ar: 1); "
+      "writes; both at batch 1, in the timing pass); positions computed per accepted token = positions a forward "
+      "computes / tokens/fwd (d2f, threshold: the compiled window width at batch 1, measured; results.json's "
+      "window_at_batch has them at batch 32, where a forward is as wide as its widest row; vanilla: the whole "
+      "sequence, prompt + new tokens; ar: 1); "
       "ms/fwd = wall time / forwards (includes the loop's own work); vs AR / vs threshold = tokens/s "
       "ratios to the AR row and the teacher's threshold row of this run; CPU ceiling vs AR = tokens/fwd x AR step ms "
       "/ D2F step ms at the row's window, both steps timed in this run (below).", "",

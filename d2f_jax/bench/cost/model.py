@@ -141,14 +141,15 @@ def affine(points: dict[int, float], batch: float) -> float | None:
   return points[lo] + (batch - lo) * (points[hi] - points[lo]) / (hi - lo)
 
 
-def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = None) -> float | None:
+def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = None,
+              batch: float = 1) -> float | None:
   """ms to generate `new_tokens` per row with a results row's measured tokens per forward (and window):
   prefill + (N / tokens_per_forward - 1) cached steps; vanilla: N / tokens_per_forward full forwards.
   `ms` maps 'd2f_step' {width: ms}, 'ar_step', 'full_step', 'd2f_prefill', 'ar_prefill' to ms at one batch;
   a prefill that was not compiled counts 0 (steady-state decoding), a step that was not makes it None.
-  The window: the row's `mean_window_positions` over the compiled steps' `block_size` where both are known
-  (a throughput mode's windows are not whole blocks, nor of the compiled block size), else its
-  `mean_window_blocks`."""
+  The window: the row's at `batch` (e2e.projection.window_blocks: measured positions over the compiled steps'
+  `block_size` where both are known, a throughput mode's windows being neither whole blocks nor of the
+  compiled block size; at a batch, as wide as the batch's widest row), else its `mean_window_blocks`."""
   tpf = row.get("tokens_per_forward")
   if not tpf:
     return None
@@ -160,8 +161,7 @@ def decode_ms(row: dict, ms: dict, new_tokens: int, block_size: int | None = Non
     return (ms.get("ar_prefill") or 0.0) + (forwards - 1) * ms["ar_step"] if ms.get("ar_step") else None
   if not ms.get("d2f_step") or None in ms["d2f_step"].values():
     return None
-  positions = row.get("mean_window_positions")
-  blocks = positions / block_size if positions and block_size else row["mean_window_blocks"]
+  blocks = projection.window_blocks(row, block_size, batch)
   return (ms.get("d2f_prefill") or 0.0) + (forwards - 1) * ms_at_width(ms["d2f_step"], blocks)
 
 

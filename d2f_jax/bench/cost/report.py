@@ -50,7 +50,7 @@ def tokens_per_s(row: dict, by_batch: dict[int, dict], batch: int, new_tokens: i
   for kind in first:
     if kind != "d2f_step":
       at[kind] = cm.affine({b: t[kind] for b, t in by_batch.items()}, batch)
-  ms = cm.decode_ms(row, at, new_tokens, block_size)
+  ms = cm.decode_ms(row, at, new_tokens, block_size, batch)
   return None if not ms else 1000 * batch * new_tokens / ms
 
 
