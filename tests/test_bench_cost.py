@@ -266,6 +266,13 @@ def test_the_frontier_takes_the_fastest_mode_within_one_standard_error_of_exact_
   widening = {**close, "window_at_batch": {"32": {"mean_window_positions": 96.0, "mean_window_blocks": 3.0}}}
   got = cost_report.frontier_rows([exact, widening, ar], tables, [1, 32], 256, 32)
   assert [r["mode"] for r in got] == ["add=0.1 act=0.95 conf=0.9 q=8", "exact"]
+  assert [r["window_measured_at_batch"] for r in got] == [1, 1]  # exact has no batch-32 window: its own
+  got = cost_report.frontier_rows([exact, widening, ar], tables, [8, 32], 256, 32)
+  assert [(r["mode"], r["window_measured_at_batch"]) for r in got] == [("add=0.1 act=0.95 conf=0.9 q=8", 1),
+                                                                       ("exact", 1)]
+  narrower = {**close, "window_at_batch": {"32": {"mean_window_positions": 64.0, "mean_window_blocks": 2.0}}}
+  got = cost_report.frontier_rows([exact, narrower, ar], tables, [32, 128], 256, 32)
+  assert [(r["mode"], r["window_measured_at_batch"]) for r in got] == [("add=0.1 act=0.95 conf=0.9 q=8", 32)] * 2
   # Without the narrower mode the exact row is its own frontier; without an AR row there is none.
   assert {r["mode"] for r in cost_report.frontier_rows([exact, wrong, ar], tables, [1], 256, 32)} == {"exact"}
   assert cost_report.frontier_rows([exact, close], tables, [1], 256, 32) == []

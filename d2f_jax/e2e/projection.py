@@ -88,6 +88,13 @@ def window_blocks(row: dict, block_size: int | None, batch: float = 1) -> float:
   return (1 - t) * points[below] + t * points[above]
 
 
+def window_batch(row: dict, batch: float) -> int:
+  """The largest batch <= `batch` at which the row's window was measured (1: its own, for results written
+  before `window_at_batch`): how far window_blocks at `batch` rests on a measurement."""
+  measured = [int(b) for b, stats in (row.get("window_at_batch") or {}).items() if stats]
+  return max([1] + [b for b in measured if b <= batch])
+
+
 def _blocks(stats: dict, block_size: int | None) -> float:
   positions = stats.get("mean_window_positions")
   return positions / block_size if positions and block_size else stats["mean_window_blocks"]

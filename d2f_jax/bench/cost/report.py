@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from d2f_jax.bench.cost import model as cm
 from d2f_jax.decode.forward_probes import StepShape
+from d2f_jax.e2e import projection
 
 SOURCES = ("compiled", "formula")
 
@@ -132,6 +133,7 @@ def frontier_rows(results: list[dict], tables: dict, batches: list[int], new_tok
     out.append({**where, "batch": b, "mode": "exact" if fastest is exact else fastest["settings"],
                 "block_size": decode.get("block_size"), "query_limit": decode.get("query_limit"),
                 "cache_decided": bool(decode.get("cache_decided")),
+                "window_measured_at_batch": projection.window_batch(fastest, b),
                 "accuracy": fastest["accuracy"], "exact_accuracy": exact["accuracy"], "stderr": exact["stderr"],
                 "tok_s_compiled": speed[id(fastest)]["compiled"], "tok_s_formula": speed[id(fastest)]["formula"],
                 "ar_tok_s_compiled": base["compiled"], "ar_tok_s_formula": base["formula"]})
