@@ -84,12 +84,12 @@ def get_config(arg=None):
 
 def _long(c: ml_collections.ConfigDict) -> None:
   """The long-answer variant (module docstring). Measured (2 CPU cores, shared with other work): AR 2400 steps
-  1271 s, teacher 3000 steps 1210 s, student 800 steps 345 s (47 min; 36 at each stage's undisturbed logged
-  rate, a projection from its metrics), evaluation of the 14 rows and the timing pass 22.5 min. Results
-  (results/tiny_e2e_long/): AR 60.9 %, the teacher 0-1.6 %, the student 1.6-9.4 %: the MDM adaptation loses
-  the AR model's arithmetic on these answers (docs/main_job.md), so the accuracies are not yet far above
-  chance. semi_ar 0.5 made the teacher's answers well formed (they ran past the last step and never stopped
-  with iid masks alone); more AR steps lifted AR from 37.5 % (1200 steps) to 60.9 %."""
+  971 s, teacher 3000 steps 2978 s (two passes a step: ar_weight), student 800 steps 827 s, evaluation of the
+  14 rows and the timing pass 35 min. Results (results/tiny_e2e_long/): AR 54.7 %, the teacher 46.9 % decoded
+  semi-AR one token a step and 18.8 % with the threshold decoder, the D2F student 35.9 % at the paper's
+  thresholds and 46.9 % at its training block 16. semi_ar 0.5 made the teacher's answers well formed (they ran
+  past the last step and never stopped with iid masks alone); ar_weight 1 kept the AR model's arithmetic,
+  which the MDM adaptation alone lost (teacher 0-1.6 %, docs/main_job.md)."""
   c.task.update(dict(min_steps=4, max_steps=7, style="verbose", test=64))
   c.seq_len = 304  # the longest training row is 298 tokens (prompt + solution + EOS)
   c.batch_size = 8  # 8 rows of about 185 tokens: the default's 32 x 49 tokens per step
@@ -98,4 +98,4 @@ def _long(c: ml_collections.ConfigDict) -> None:
   # approximate cache of decided positions alone and with sub-blocks.
   c.mode_sweep = [(None, 8), (None, 4), (16, None), (16, 4), (None, None, True), (None, 8, True), (None, 4, True)]
   c.ar.steps, c.student.steps = 2400, 800
-  c.teacher.update(dict(steps=3000, semi_ar=0.5))
+  c.teacher.update(dict(steps=3000, semi_ar=0.5, ar_weight=1.0))
