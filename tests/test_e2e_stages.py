@@ -116,8 +116,9 @@ def test_a_preempted_stage_says_so_and_is_not_marked_finished(tmp_path, monkeypa
 
 def test_fields_added_later_are_left_out_at_their_defaults():
   """A teacher stage finished before mdm.semi_ar existed trained as its default does: still reused. The long
-  variant's teacher (semi_ar > 0) records it; its window is the decode block (32, the default: left out)."""
-  for arg, semi_ar, window in (("smoke", None, 32), ("long,smoke", 0.5, 32)):
+  variant's teacher (semi_ar > 0, ar_weight 1) records them; its window is the decode block (32, the default:
+  left out)."""
+  for arg, semi_ar, ar_weight, window in (("smoke", None, None, 32), ("long,smoke", 0.5, 1.0, 32)):
     c = _config(arg)
     kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
     kw.pop("init")
@@ -125,7 +126,7 @@ def test_fields_added_later_are_left_out_at_their_defaults():
     identity = pipeline.stage_identity(config)
     assert identity.get("mdm.semi_ar") == semi_ar and "mdm.window" not in identity and config.mdm.window == window
     assert "mdm.suffix_weight" not in identity and config.mdm.suffix_weight == 1.0
-    assert "mdm.ar_weight" not in identity and config.mdm.ar_weight == 0.0
+    assert identity.get("mdm.ar_weight") == ar_weight and config.mdm.ar_weight == (ar_weight or 0.0)
     assert identity["mdm.eps"] == 1e-3
   c = _config("long,smoke")
   c.decode_block_size = 16
