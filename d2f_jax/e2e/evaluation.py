@@ -77,14 +77,24 @@ def standard_error(percent: float, total: int) -> float:
 
 
 WINDOW_BATCH = 32  # the batch of the second pipelining measurement (window_at_batch)
+# (sum name, DecodeResult field): what the window means are formed from
+WINDOW_SUMS = (("forwards", "forwards"), ("in_flight", "in_flight_sum"), ("window", "window_sum"),
+               ("positions", "position_sum"))
 
 
-def window_means(forwards: int, in_flight: int, window: int, positions: int) -> dict:
-  """Mean blocks in flight, window width (blocks) and positions computed per forward from their sums."""
+def window_sums(result) -> dict[str, int]:
+  """A DecodeResult's forwards, blocks in flight, window widths and positions computed, summed over its rows."""
+  return {name: int(np.asarray(getattr(result, field)).sum()) for name, field in WINDOW_SUMS}
+
+
+def window_means(sums: dict) -> dict:
+  """Mean blocks in flight, window width (blocks) and positions computed per forward from `window_sums` (all
+  None without forwards)."""
+  forwards = sums.get("forwards")
   if not forwards:
     return {"mean_in_flight": None, "mean_window_blocks": None, "mean_window_positions": None}
-  return {"mean_in_flight": in_flight / forwards, "mean_window_blocks": window / forwards,
-          "mean_window_positions": positions / forwards}
+  return {"mean_in_flight": sums["in_flight"] / forwards, "mean_window_blocks": sums["window"] / forwards,
+          "mean_window_positions": sums["positions"] / forwards}
 
 
 def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batch: int = WINDOW_BATCH) -> dict:
@@ -92,12 +102,11 @@ def pipelining_stats(model, prompts: list[list[int]], config: DecodeConfig, batc
   a forward's width and positions are those compiled for the batch's widest live row."""
   if config.method not in ("d2f", "threshold"):
     return {}
-  sums = np.zeros(4, np.int64)  # forwards, in flight, window, positions
+  sums = dict.fromkeys((name for name, _ in WINDOW_SUMS), 0)
   for i in range(0, len(prompts), batch):
-    result = generate(model, prompts[i:i + batch], config)
-    sums += [int(np.asarray(x).sum()) for x in (result.forwards, result.in_flight_sum, result.window_sum,
-                                                result.position_sum)]
-  return window_means(*sums)
+    for name, value in window_sums(generate(model, prompts[i:i + batch], config)).items():
+      sums[name] += value
+  return window_means(sums)
 
 
 class _Bar:
@@ -149,8 +158,7 @@ def evaluate(c, models: dict, task, out_dir: str, progress=print) -> list[dict]:
                          f"{timed['forwards']} forwards, the accuracy pass {row['tokens']} in {row['forwards']}: "
                          f"greedy decoding should repeat exactly")
     row["timed_seconds"] = timed["seconds"]
-    row.update(window_means(*(timed[k] for k in ("forwards", "in_flight", "window", "positions")))
-               if row["method"] in ("d2f", "threshold") else window_means(0, 0, 0, 0))
+    row.update(window_means(timed if row["method"] in ("d2f", "threshold") else {}))
     row["tokens_per_s"] = timed["tokens"] / timed["seconds"] if timed["seconds"] else None
     row["ms_per_forward"] = 1000.0 * timed["seconds"] / timed["forwards"] if timed["forwards"] else None
   return add_ratios(rows)
@@ -161,8 +169,7 @@ def interleaved_timing(calls: list[tuple], bar_name: str = "timing") -> list[dic
   prompt by prompt with every call in turn (starting one call later each prompt), and the sums of blocks in
   flight, window widths and positions computed (d2f, threshold; 0 otherwise). A call that compiled (a prompt
   shape not seen before) is timed again, so no compile is timed."""
-  totals = [{"seconds": 0.0, "tokens": 0, "forwards": 0, "in_flight": 0, "window": 0, "positions": 0}
-            for _ in calls]
+  totals = [{"seconds": 0.0, "tokens": 0, **dict.fromkeys((name for name, _ in WINDOW_SUMS), 0)} for _ in calls]
   count = len(calls[0][2]) if calls else 0
   for p in tqdm(range(count), desc=bar_name, dynamic_ncols=True):
     for j in range(len(calls)):
@@ -176,9 +183,8 @@ def interleaved_timing(calls: list[tuple], bar_name: str = "timing") -> list[dic
         seconds = time.perf_counter() - start
       totals[index]["seconds"] += seconds
       totals[index]["tokens"] += len(result.to_lists()[0])
-      for key, value in (("forwards", result.forwards), ("in_flight", result.in_flight_sum),
-                         ("window", result.window_sum), ("positions", result.position_sum)):
-        totals[index][key] += int(np.asarray(value)[0])
+      for name, value in window_sums(result).items():  # one row: its own
+        totals[index][name] += value
   return totals
 
 

@@ -70,14 +70,12 @@ def roofline_forward(config: ModelConfig, n: float, c: float, rows: int = 1) -> 
 def window_blocks(row: dict, block_size: int | None, batch: float = 1) -> float:
   """A d2f / threshold row's mean window in blocks of `block_size` (the decode block of the run) at `batch`: its
   measured positions per forward where the row has them and the block is known (a throughput mode: not whole
-  blocks, maybe of another block size), else its window blocks. The row's own fields are its batch-1 window; `window_at_batch` holds
-  those measured at larger batches, where a forward is as wide as its widest row: between two measured
-  batches the window is linear in log2(batch), past the largest it is the largest's (a lower bound: a bigger
-  batch's widest row is wider still)."""
-  points = {1.0: _blocks(row, block_size)}
-  for b, stats in (row.get("window_at_batch") or {}).items():
-    if stats and (stats.get("mean_window_positions") or stats.get("mean_window_blocks")):
-      points[float(b)] = _blocks(stats, block_size)
+  blocks, maybe of another block size), else its window blocks. The row's own fields are its batch-1 window;
+  `window_at_batch` holds those measured at larger batches, where a forward is as wide as its widest row:
+  between two measured batches the window is linear in log2(batch), past the largest it is the largest's (a
+  lower bound: a bigger batch's widest row is wider still)."""
+  points = {1.0: _blocks(row, block_size), **{float(b): _blocks(stats, block_size)
+                                             for b, stats in _measured_at_batch(row).items()}}
   batches = sorted(points)
   batch = min(max(float(batch), batches[0]), batches[-1])
   above = min(b for b in batches if b >= batch)
@@ -91,8 +89,13 @@ def window_blocks(row: dict, block_size: int | None, batch: float = 1) -> float:
 def window_batch(row: dict, batch: float) -> int:
   """The largest batch <= `batch` at which the row's window was measured (1: its own, for results written
   before `window_at_batch`): how far window_blocks at `batch` rests on a measurement."""
-  measured = [int(b) for b, stats in (row.get("window_at_batch") or {}).items() if stats]
-  return max([1] + [b for b in measured if b <= batch])
+  return max([1] + [int(b) for b in _measured_at_batch(row) if int(b) <= batch])
+
+
+def _measured_at_batch(row: dict) -> dict[str, dict]:
+  """The row's `window_at_batch` entries that hold a window ({} for a method without one, or older results)."""
+  return {b: stats for b, stats in (row.get("window_at_batch") or {}).items()
+          if stats and (stats.get("mean_window_positions") or stats.get("mean_window_blocks"))}
 
 
 def _blocks(stats: dict, block_size: int | None) -> float:
