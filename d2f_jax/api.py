@@ -173,7 +173,7 @@ def _flatten(tree: dict, prefix: tuple = ()):
 def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = None, merge_lora: bool = True,
                allow_pickle: bool = False, progress: bool = False, attention: str | None = None, mesh=None,
                rules=None, allow_nonfinite: bool = False, format: str | None = None,  # noqa: A002
-               layer_loop: str | None = None) -> Model:
+               layer_loop: str | None = None, expert_dispatch: str | None = None) -> Model:
   """Load a model from a Hugging Face directory (config.json + safetensors), a converted directory, or a
   Hub id ("GSAI-ML/LLaDA-8B-Instruct[@revision]") through the local Hugging Face cache (convert/source.py).
 
@@ -182,6 +182,8 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
   parameters (the form the trainer continues from).
   attention: ModelConfig.attention_impl ('auto', 'xla', 'pallas', ...); default keeps the config's.
   layer_loop: ModelConfig.layer_loop ('auto', 'scan', 'unroll'); default keeps the config's ('auto').
+  expert_dispatch: MoEConfig.dispatch of a mixture-of-experts model ('ragged', 'dense', 'auto'); default
+  keeps the config's ('ragged'); refused on a dense model.
   mesh / rules: place the weights straight into their shardings on this jax Mesh (axes data, fsdp,
   tensor) by these logical-axis rules (default: training's, d2f_jax.sharding.DEFAULT_RULES).
   allow_nonfinite: load weights holding NaN / inf (refused by default, naming the tensor), for forensics.
@@ -207,6 +209,8 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
     config = config.replace(attention_impl=attention)
   if layer_loop is not None:
     config = config.replace(layer_loop=layer_loop)
+  if expert_dispatch is not None:
+    config = config.with_expert_dispatch(expert_dispatch)
   placement = as_decode_mesh(mesh, rules)
   graphdef, state = model_from_params(config, params, lora_cfg, lora_params, placement=placement)
   tokenizer = load_tokenizer(path)
@@ -219,12 +223,12 @@ def load_model(path: str, dtype: str | None = None, *, lora_dir: str | None = No
 
 
 def load_from_flags(args, mesh=None) -> Model:
-  """The model a command line names (--model, --lora_dir, --dtype, --attention, --layer_loop; generate,
-  evaluate, serve):
+  """The model a command line names (--model, --lora_dir, --dtype, --attention, --layer_loop,
+  --expert_dispatch; generate, evaluate, serve):
   a model that cannot be loaded is one `error:` line naming --model (exit 2), never a traceback."""
   from d2f_jax.usage import UsageError
   try:
     return load_model(args.model, dtype=args.dtype, lora_dir=args.lora_dir, attention=args.attention, mesh=mesh,
-                      layer_loop=args.layer_loop)
+                      layer_loop=args.layer_loop, expert_dispatch=args.expert_dispatch)
   except (OSError, ValueError) as e:  # ConvertError is a ValueError
     raise UsageError(f"--model {args.model}: {e}") from None

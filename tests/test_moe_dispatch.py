@@ -93,3 +93,41 @@ def test_the_bench_prices_both_paths_on_the_cpu_compiler(tmp_path, capsys):
 def test_a_model_without_experts_is_refused():
   with pytest.raises(ValueError, match="not a mixture-of-experts preset"):
     bench.main(["--target", "cpu", "--model", "tiny-llada", "--tokens", "1", "--json", "/dev/null"])
+
+
+def test_the_dispatch_is_set_from_a_config_a_flag_and_load_model(tmp_path):
+  """How the experts are computed is a run's choice, not the checkpoint's: `config.model.expert_dispatch`
+  (the trainer, aot), `--expert_dispatch` (generate, evaluate, serve) and load_model's argument all reach
+  MoEConfig.dispatch; a dense model or an unknown dispatch is refused naming the field."""
+  import argparse
+
+  import d2f_jax
+  from d2f_jax.convert import synthetic
+  from d2f_jax.decode.flags import add_device_flags
+  from d2f_jax.train.config import base_config, validate
+  from d2f_jax.train.model import model_config
+
+  c = base_config()
+  c.model.preset, c.model.expert_dispatch = "tiny-llada2", "dense"
+  assert model_config(c.model).moe.dispatch == "dense"
+  c.model.expert_dispatch = None
+  assert model_config(c.model).moe.dispatch == "ragged"
+  c.model.preset, c.model.expert_dispatch = "tiny-llada", "auto"
+  with pytest.raises(ValueError, match=r"config.model.expert_dispatch='auto'.*no experts"):
+    model_config(c.model)
+  c.model.preset, c.model.expert_dispatch = "tiny-llada2", "sparse"
+  with pytest.raises(ValueError, match="model.expert_dispatch"):
+    validate(c)
+
+  parser = argparse.ArgumentParser()
+  add_device_flags(parser)
+  assert parser.parse_args(["--expert_dispatch", "dense"]).expert_dispatch == "dense"
+  assert parser.parse_args([]).expert_dispatch is None
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--expert_dispatch", "sparse"])
+
+  synthetic.write_hf_checkpoint(tmp_path, preset("tiny-llada2"), seed=0, dtype="float32", tokenizer=False)
+  assert d2f_jax.load_model(str(tmp_path), expert_dispatch="dense").config.moe.dispatch == "dense"
+  assert d2f_jax.load_model(str(tmp_path)).config.moe.dispatch == "ragged"
+  with pytest.raises(ValueError, match="no experts"):
+    preset("tiny-llada").with_expert_dispatch("dense")

@@ -10,7 +10,7 @@ from d2f_jax import compilation_cache
 from d2f_jax.decode.config import DecodeConfig
 from d2f_jax.decode.config_checks import DREAM_ALGS
 from d2f_jax.decode.methods import METHODS
-from d2f_jax.models.config import LAYER_LOOPS
+from d2f_jax.models.config import EXPERT_DISPATCHES, LAYER_LOOPS
 from d2f_jax.usage import UsageError
 
 _DEFAULTS = DecodeConfig()
@@ -118,8 +118,8 @@ DISTRIBUTED_CHOICES = ("auto", "on", "off")
 
 
 def add_device_flags(parser) -> None:
-  """Add --attention, --layer_loop, --mesh, --distributed (where and how the decode runs) and
-  --compilation_cache."""
+  """Add --attention, --layer_loop, --expert_dispatch, --mesh, --distributed (where and how the decode runs)
+  and --compilation_cache."""
   parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
                       help="attention implementation: Pallas kernels on GPU/TPU with 'auto' (the XLA reference on "
                            "CPU), 'xla' everywhere, 'pallas' always")
@@ -127,6 +127,11 @@ def add_device_flags(parser) -> None:
                       help="how cached forwards run the layers: 'auto' unrolls them (weights and cache read in place; "
                            "long compiles on TPU), 'scan' (compiles in seconds; on TPU copies q's and k's weight "
                            "slices, docs/pods.md: compile times) (default: the model's, 'auto')")
+  parser.add_argument("--expert_dispatch", default=None, choices=EXPERT_DISPATCHES,
+                      help="how a mixture-of-experts model (LLaDA2) computes its experts: 'ragged' (grouped matmul, "
+                           "the default), 'dense' (every expert on every token, no sort; fewer temporaries on GPU), "
+                           "'auto' (per forward by token count; a token's float32 sums then depend on its batch) "
+                           "(docs/models.md)")
   parser.add_argument("--mesh", default=None,
                       help="decode on a device mesh, e.g. data=2,tensor=4 (axes data, fsdp, tensor; unnamed axes 1, "
                            "one may be -1 = the remaining devices); weights split by training's logical rules")

@@ -181,6 +181,14 @@ class ModelConfig:
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 
+  def with_expert_dispatch(self, dispatch: str) -> "ModelConfig":
+    """This config with its experts computed by `dispatch` (MoEConfig.dispatch): how, not what, so a
+    checkpoint's layout stays valid. Refused on a model without experts, where it would mean nothing."""
+    if self.moe is None:
+      raise ValueError(f"expert dispatch {dispatch!r} applies to mixture-of-experts models only; this "
+                       f"{self.family!r} model has no experts (ModelConfig.moe is None)")
+    return self.replace(moe=dataclasses.replace(self.moe, dispatch=dispatch))
+
 
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")

@@ -19,6 +19,7 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
+from d2f_jax.models.config import EXPERT_DISPATCHES
 from d2f_jax.sharding.rules import DEFAULT_RULES, MESH_AXES  # the one home of the mesh axes and rules
 
 MODEL_INITS = ("path", "random")
@@ -52,6 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields over the preset (all of them if no preset)
   c.model.synthetic = False  # write a random HF checkpoint + tokenizer of `preset` into the workdir and use it
   c.model.dtype = "bfloat16"  # storage and compute dtype of the base weights
+  # MoEConfig.dispatch of a mixture-of-experts base (ragged, dense, auto; models/moe.py); None: the model's
+  c.model.expert_dispatch = config_dict.placeholder(str)
   c.remat = False  # recompute each layer in the backward pass (ModelConfig.remat): activations O(1) in depth
 
   c.finetune = "lora"  # 'lora' (student = base + adapter) or 'full' (student = trainable copy of the base)
@@ -213,6 +216,9 @@ def _validate_model(c: ml_collections.ConfigDict, objective: str) -> None:
   m = c.model
   init = m.get("init", "path")
   _require(init in MODEL_INITS, "model.init", init, f"must be one of {MODEL_INITS}")
+  dispatch = m.get("expert_dispatch")
+  _require(dispatch is None or dispatch in EXPERT_DISPATCHES, "model.expert_dispatch", dispatch,
+           f"must be one of {EXPERT_DISPATCHES} (or unset: the model's)")
   if init == "random":
     _require(m.path is None, "model.path", m.path, "model.init='random' builds fresh weights; unset model.path "
              "or use model.init='path'")

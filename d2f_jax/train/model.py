@@ -125,6 +125,11 @@ def model_config(model_cfg, *, remat: bool = False, resolved_dir: str | None = N
   except TypeError as e:  # an unknown field, or (no preset) a missing one
     known = [f.name for f in dataclasses.fields(ModelConfig)]
     raise ValueError(f"config.model.overrides={overrides!r}: {e}; ModelConfig fields: {known}") from e
+  if model_cfg.get("expert_dispatch") is not None:
+    try:
+      config = config.with_expert_dispatch(model_cfg.expert_dispatch)
+    except ValueError as e:
+      raise ValueError(f"config.model.expert_dispatch={model_cfg.expert_dispatch!r}: {e}") from e
   return config.replace(dtype=model_cfg.dtype, param_dtype=model_cfg.dtype, remat=bool(remat))
 
 
