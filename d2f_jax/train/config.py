@@ -63,9 +63,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train_dtype = "float32"  # dtype of the trainable parameters and their optimizer state
 
   c.schedule = ml_collections.ConfigDict(dict(kind="monotone", low=0.2, high=0.7))  # distill only
-  # distill: how the teacher sees the noised rows; "own": as it was trained (LLaDA / Dream bidirectionally,
-  # LLaDA2 block-causally), "bidirectional": the D2F recipe's view for any teacher (train/loss_distill.py)
-  c.teacher_attention = "own"
   # mdm only: mask ratio t ~ U(eps, 1) per row; semi_ar: fraction of rows noised as a semi-AR decode's states
   # (clean before a cut, `window` positions masked with probability t, all masked after; loss_mdm.py);
   # suffix_weight: the loss weight's factor on that all-masked suffix (0: the window's loss alone);
@@ -172,10 +169,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "must be 'monotone' (reference) or 'random' (ablation)")
   _require(0.0 < c.schedule.low <= c.schedule.high <= 1.0, "schedule.low", (c.schedule.low, c.schedule.high),
            "need 0 < low <= high <= 1")
-  from d2f_jax.train.loss_distill import TEACHER_ATTENTIONS
-  teacher_attention = c.get("teacher_attention", "own")
-  _require(teacher_attention in TEACHER_ATTENTIONS, "teacher_attention", teacher_attention,
-           f"must be one of {TEACHER_ATTENTIONS} ('own': as the teacher was trained to attend)")
   eps = c.get("mdm", {}).get("eps", 1e-3)
   _require(0.0 < eps < 1.0, "mdm.eps", eps, "must lie in (0, 1)")
   semi_ar, window = c.get("mdm", {}).get("semi_ar", 0.0), c.get("mdm", {}).get("window", 32)

@@ -1,10 +1,5 @@
 """Asymmetric distillation loss: block-causal student against a bidirectional teacher on one noised batch.
 
-The teacher attends as it was trained to (TEACHER_ATTENTIONS "own"): LLaDA and Dream bidirectionally, the
-D2F recipe; a block-diffusion teacher (LLaDA2, ModelConfig.attention_kind "block_causal") block-causally, as
-the student does, since a view of later blocks is one it never learned to read ("bidirectional" forces the
-recipe's view on any teacher).
-
 loss = sum_{masked} (1 / p_i) * CE(softmax(teacher), student) / #masked, with Dream's logit shift on both.
 CE against the teacher's softmax equals forward KL(teacher || student) plus the teacher's entropy, so the
 KL is reported beside it: it is what training can drive to zero.
@@ -20,20 +15,6 @@ from d2f_jax.models import Transformer, align_logits, attention_ids
 from d2f_jax.train.chunks import map_row_chunks
 from d2f_jax.train.masking import Noised
 from d2f_jax.train.router_stats import trained_hidden
-
-TEACHER_ATTENTIONS = ("own", "bidirectional")
-
-
-def teacher_mode(config, teacher_attention: str = "own") -> str:
-  """The attention mode the teacher of `config` (the base's ModelConfig) sees noised rows with."""
-  if teacher_attention not in TEACHER_ATTENTIONS:
-    raise ValueError(f"teacher_attention must be one of {TEACHER_ATTENTIONS}, got {teacher_attention!r}")
-  if teacher_attention == "bidirectional" or config.attention_kind in (None, "bidirectional"):
-    return "bidirectional"
-  if config.attention_kind == "block_causal":
-    return "block_causal"
-  raise ValueError(f"a teacher trained with {config.attention_kind!r} attention (ModelConfig.attention_kind) is "
-                   "no diffusion teacher; distil from a bidirectional or block-diffusion model")
 
 
 def soft_cross_entropy(teacher_logits: jax.Array, student_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -53,20 +34,18 @@ def _token_losses(teacher: Transformer, student: Transformer, t_hidden, s_hidden
 
 
 def distill_sums(teacher: Transformer, student: Transformer, noised: Noised, prompt_len: jax.Array, *,
-                 block_size: int, dropout_key: jax.Array | None = None, chunk: int = 0,
-                 teacher_attention: str = "own") -> dict[str, jax.Array]:
+                 block_size: int, dropout_key: jax.Array | None = None, chunk: int = 0) -> dict[str, jax.Array]:
   """Sums over the batch (so microbatches and shards add up exactly): weighted CE, weighted KL, #masked.
 
-  The student sees the noised rows block-causally (blocks of `block_size` from each row's `prompt_len` [B]),
-  the teacher as teacher_mode says; padding EOS is ordinary response, so no validity mask.
+  The teacher sees the noised rows bidirectionally, the student block-causally (blocks of `block_size`
+  from each row's `prompt_len` [B]); padding EOS is ordinary response, so no validity mask.
   """
   batch, length = noised.tokens.shape
   config = student.config
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))  # [B, T]
+  t_ids = attention_ids(positions, "bidirectional")
   s_ids = attention_ids(positions, "block_causal", prompt_len=prompt_len, block_size=block_size,
-                        prompt_blocks=config.prompt_blocks)  # [B, T]
-  t_ids = (s_ids if teacher_mode(teacher.config, teacher_attention) == "block_causal"
-           else attention_ids(positions, "bidirectional"))
+                        prompt_blocks=config.prompt_blocks)
   t_hidden, _ = teacher.hidden_states(noised.tokens, positions, t_ids)  # [B, T, E]
   t_hidden = jax.lax.stop_gradient(t_hidden)
   s_hidden, router = trained_hidden(student, noised.tokens, positions, s_ids, dropout_key=dropout_key)

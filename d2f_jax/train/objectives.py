@@ -45,7 +45,7 @@ def _distill_sums(spec, trainable, frozen, inputs, dropout_key):
   noised, prompt_len = inputs
   teacher, student = spec.models.modules(trainable, frozen)
   return distill_sums(teacher, student, noised, prompt_len, block_size=spec.block_size, dropout_key=dropout_key,
-                      chunk=spec.loss_chunk, teacher_attention=spec.teacher_attention)
+                      chunk=spec.loss_chunk)
 
 
 def _distill_summarize(sums):

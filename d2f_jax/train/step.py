@@ -43,7 +43,6 @@ class StepSpec:
   mdm_window: int = 32  # mdm: their partly masked window after the cut
   mdm_suffix_weight: float = 1.0  # mdm: the loss weight's factor on the all-masked suffix after the window
   mdm_ar_weight: float = 0.0  # mdm: factor of the causal next-token CE of the clean rows added to the loss
-  teacher_attention: str = "own"  # distill: how the teacher attends (loss_distill.TEACHER_ATTENTIONS)
   # How the model's activations and kernel calls split on the mesh: the rules' layout (spec_from_config and
   # the compiled steps fill it from the mesh and rules); None only for a spec used off any mesh.
   layout: MeshLayout | None = None
@@ -80,8 +79,7 @@ def spec_from_config(config, models: TrainModels, mesh: Mesh, rules: sharding.Ru
                   mdm_eps=float(config.mdm.eps), mdm_semi_ar=float(config.mdm.get("semi_ar", 0.0)),
                   mdm_window=int(config.mdm.get("window", 32)),
                   mdm_suffix_weight=float(config.mdm.get("suffix_weight", 1.0)),
-                  mdm_ar_weight=float(config.mdm.get("ar_weight", 0.0)),
-                  teacher_attention=config.get("teacher_attention", "own"), layout=layout_from_rules(mesh, rules))
+                  mdm_ar_weight=float(config.mdm.get("ar_weight", 0.0)), layout=layout_from_rules(mesh, rules))
 
 
 def _microbatches(tree, m: int, batch_sharding):
