@@ -128,8 +128,7 @@ def test_fields_added_later_are_left_out_at_their_defaults():
     assert "mdm.suffix_weight" not in identity and config.mdm.suffix_weight == 1.0
     assert identity.get("mdm.ar_weight") == ar_weight and config.mdm.ar_weight == (ar_weight or 0.0)
     assert identity["mdm.eps"] == 1e-3
-    # added later still: the teacher's view in distillation and an MoE base's expert dispatch
-    assert "teacher_attention" not in identity and config.teacher_attention == "own"
+    # added later still: an MoE base's expert dispatch
     assert "model.expert_dispatch" not in identity and config.model.expert_dispatch is None
   c = _config("long,smoke")
   c.decode_block_size = 16

@@ -203,6 +203,9 @@ def test_distillation_trains_lora_on_both_stacks_and_leaves_the_experts(tmp_path
   trainer = Trainer(config, str(tmp_path))
   history = trainer.run(num_steps=2)
   assert [h["step"] for h in history if "loss" in h] == [1, 2]
+  # The teacher sees the rows bidirectionally: with its own block-causal view (the student's), the student,
+  # starting as the teacher (B = 0), would be at KL 0 with no gradient.
+  assert history[0]["step"] == 0 and history[0]["eval_kl"] > 1e-4, history[0]
   assert all(np.isfinite(h["loss"]) for h in history if "loss" in h)
   steps = [h for h in history if "loss" in h]  # the router's load is logged every step
   assert all(1.0 <= h["router_max_load"] <= TINY_LLADA2.moe.num_experts and 0.0 <= h["router_unused"] < 1.0

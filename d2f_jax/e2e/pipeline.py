@@ -130,7 +130,7 @@ PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are,
 # Trainer fields added after stages were first recorded: left out at these defaults, so older finished stages
 # (which trained as the defaults do) are reused.
 LATER_FIELDS = {"mdm.semi_ar": 0.0, "mdm.window": 32, "mdm.suffix_weight": 1.0, "mdm.ar_weight": 0.0,
-                "teacher_attention": "own", "model.expert_dispatch": None}
+                "model.expert_dispatch": None}
 
 
 def stage_identity(config, upstream: dict | None = None, data: dict | None = None) -> dict:
