@@ -58,7 +58,7 @@ API_KEY = "test-key"  # the server is started with it (--api_key)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 class Server:
-  def __init__(self, checkpoint: pathlib.Path, log: pathlib.Path):
+  def __init__(self, checkpoint: pathlib.Path, log: pathlib.Path, extra_args: tuple[str, ...] = ()):
     self.port, self.log = _free_port(), log
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "true"}  # the test process's settings (conftest.py)
@@ -66,7 +66,8 @@ class Server:
       self.proc = subprocess.Popen(
           [sys.executable, "-m", "d2f_jax.serve", "--model", str(checkpoint), "--port", str(self.port),
            "--slots", "4", "--block_size", "4", "--max_new_tokens", "16", "--max_prompt_len", "32",
-           "--served_model_name", "tiny", "--grace_s", "60", "--api_key", API_KEY], stdout=out, stderr=subprocess.STDOUT, env=env)
+           "--served_model_name", "tiny", "--grace_s", "60", "--api_key", API_KEY, *extra_args],
+          stdout=out, stderr=subprocess.STDOUT, env=env)
     self.url = f"http://127.0.0.1:{self.port}"
     self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 

@@ -50,8 +50,10 @@ def _room(spec: DecodeSpec) -> int:
   return spec.max_new_tokens + spec.block_size
 
 
-def _last_block(prompt_len: jax.Array, spec: DecodeSpec) -> jax.Array:
-  return (prompt_len + spec.max_new_tokens - 1) // spec.block_size  # [B]
+def _last_block(prompt_len: jax.Array, knobs: Knobs, spec: DecodeSpec) -> jax.Array:
+  """The block holding each row's last response position: by its own max_new_tokens (Knobs.block_limit
+  blocks; the engine's slots ask for less than the compiled room)."""
+  return (prompt_len + per_row(knobs.block_limit, 1) * spec.block_size - 1) // spec.block_size  # [B]
 
 
 def init(model, prompt, prompt_len, key, knobs: Knobs, spec: DecodeSpec) -> BlockState:
@@ -116,7 +118,7 @@ def step(model, state: BlockState, knobs: Knobs, spec: DecodeSpec) -> BlockState
     ended = live & (~left | (block_step >= spec.steps))  # the block is over for these rows
   block_end = (state.block + 1) * spec.block_size  # [B]: first position after it
   seen = position < block_end[:, None]
-  last = state.block >= _last_block(state.prompt_len, spec)
+  last = state.block >= _last_block(state.prompt_len, knobs, spec)
   stopped = (is_stop(response, knobs.stop_ids) & seen).any(axis=1) | last
   return state.replace(tokens=state.tokens.at[:, width:].set(response), trace=trace, key=key,
                        block=state.block + (ended & ~stopped), block_step=jnp.where(ended, 0, block_step),

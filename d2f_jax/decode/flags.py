@@ -63,11 +63,7 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--steps", type=int, default=None,
                       help="vanilla / dream_vanilla steps, llada2 steps per block (default: one per token)")
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
-  parser.add_argument("--editing_threshold", type=float, default=_DEFAULTS.editing_threshold,
-                      help="llada2: LLaDA2.1's token editing, rewrite a decided token above this (quality mode "
-                           "0.5 with --tau_conf 0.7, speed mode 0.0 with 0.5; default: off, LLaDA2.0's sampler)")
-  parser.add_argument("--max_post_steps", type=int, default=_DEFAULTS.max_post_steps,
-                      help="llada2 with editing: forwards a block may run after its last mask")
+  add_editing_flags(parser)
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
   parser.add_argument("--memory_budget_gib", type=float, default=None,
@@ -75,6 +71,15 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--stop_ids", default=None,
                       help="comma-separated stop ids; 'none' never stops early (default: eos and end-of-turn)")
   add_mode_flags(parser)
+
+
+def add_editing_flags(parser) -> None:
+  """Add LLaDA2.1's token editing, --editing_threshold and --max_post_steps (generate, evaluate and serve)."""
+  parser.add_argument("--editing_threshold", type=float, default=_DEFAULTS.editing_threshold,
+                      help="llada2: LLaDA2.1's token editing, rewrite a decided token above this (quality mode "
+                           "0.5 with --tau_conf 0.7, speed mode 0.0 with 0.5; default: off, LLaDA2.0's sampler)")
+  parser.add_argument("--max_post_steps", type=int, default=_DEFAULTS.max_post_steps,
+                      help="llada2 with editing: forwards a block may run after its last mask")
 
 
 def add_mode_flags(parser) -> None:

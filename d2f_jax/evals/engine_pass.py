@@ -14,19 +14,22 @@ from d2f_jax.serve.types import ENGINE_METHODS
 
 
 def engine_fits(config: DecodeConfig, batch_size: int) -> bool:
-  """Whether a run goes through the engine: batch > 1 with a method an engine decodes (d2f, threshold, ar;
-  the engine's answer lengths come in whole blocks)."""
+  """Whether a run goes through the engine: batch > 1 with a method an engine decodes (d2f, threshold, ar,
+  llada2; the engine's answer lengths come in whole blocks)."""
   return (batch_size > 1 and any(config.method in methods for methods in ENGINE_METHODS.values())
           and config.max_new_tokens % config.block_size == 0)
 
 
 def engine_for(model, config: DecodeConfig, slots: int, prompts: list[list[int]]) -> Engine:
   bucket = config.prompt_buckets if isinstance(config.prompt_buckets, int) else min(config.prompt_buckets)
-  method = "ar" if config.method == "ar" else "d2f"
-  return Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size, max_new_tokens=config.max_new_tokens,
-                                    max_prompt_len=max(map(len, prompts)), prompt_bucket=bucket,
-                                    sampling=config.temperature > 0, max_blocks_in_flight=config.max_blocks_in_flight,
-                                    memory_budget_gib=config.memory_budget_gib))
+  method = next(engine for engine, methods in ENGINE_METHODS.items() if config.method in methods)
+  llada2 = {} if method != "llada2" else dict(steps=config.steps, editing_threshold=config.editing_threshold,
+                                              max_post_steps=config.max_post_steps)
+  return Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size,
+                                    max_new_tokens=config.max_new_tokens, max_prompt_len=max(map(len, prompts)),
+                                    prompt_bucket=bucket, sampling=config.temperature > 0,
+                                    max_blocks_in_flight=config.max_blocks_in_flight,
+                                    memory_budget_gib=config.memory_budget_gib, **llada2))
 
 
 def settings_of(config: DecodeConfig) -> RequestSettings:

@@ -2,7 +2,8 @@
 
 Warm-up compiles every program the engine runs (Engine.warm_up) before the port opens, so the first real
 request pays no compile and /health answers only once serving is fast. `--method ar` serves the causal
-baseline model (one token per step) through the same engine and API.
+baseline model (one token per step) through the same engine and API; `--method llada2` a LLaDA2 model with its
+released block sampler (`--editing_threshold`: LLaDA2.1's token editing).
 SIGTERM (or Ctrl-C) drains: /health and new requests get 503 at once, queued and decoding requests finish
 within --grace_s (the rest are cancelled, finish_reason 'abort'), their responses go out, and the process
 exits 0. A second signal ends every request at once (finish_reason 'abort', streams closed with their last
@@ -18,9 +19,11 @@ import signal
 import socket
 import threading
 
-from d2f_jax.decode.flags import add_device_flags, add_mode_flags, check_model_flags, setup_devices
+from d2f_jax.decode.flags import (add_device_flags, add_editing_flags, add_mode_flags, check_model_flags,
+                                  setup_devices)
 from d2f_jax.serve.config import (AUTO_FROM_SLOTS, DEFAULT_MAX_BODY_BYTES, POLICIES, EngineConfig,
                                   auto_modes_from_frontier)
+from d2f_jax.serve.types import ENGINE_METHODS
 from d2f_jax.usage import ArgumentParser, UsageError, command
 
 log = logging.getLogger("d2f_jax.serve")
@@ -33,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model", required=True, help="HF or converted model directory, or a Hub id (local cache)")
   p.add_argument("--lora_dir", "--lora", dest="lora_dir", default=None,
                  help="PEFT adapter directory merged into the model (a D2F student), as generate and evaluate take")
-  p.add_argument("--method", default=_DEFAULTS.method, choices=("d2f", "ar"),
-                 help="d2f (requests may ask for d2f or threshold) or ar (a causal baseline model)")
+  p.add_argument("--method", default=_DEFAULTS.method, choices=tuple(ENGINE_METHODS),
+                 help="d2f (requests may ask for d2f or threshold), ar (a causal baseline model) or llada2 (LLaDA2's "
+                      "released block sampler)")
   p.add_argument("--dtype", default=None, help="compute / storage dtype, e.g. bfloat16; None keeps the checkpoint's")
   p.add_argument("--served_model_name", default=None, help="the name clients send as `model`; None: the --model value")
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (localhost only by default)")
@@ -54,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="waiting requests beyond the slots (more: 429)")
   p.add_argument("--sampling", action="store_true", help="allow temperature > 0 (compiles the sampling path)")
   add_mode_flags(p)  # the engine's defaults are DecodeConfig's: off
+  p.add_argument("--steps", type=int, default=_DEFAULTS.steps,
+                 help="llada2: the released sampler's steps per block (default: one token a step at least)")
+  add_editing_flags(p)  # llada2: each request's default; requests may set their own
   p.add_argument("--policy", default=_DEFAULTS.policy, choices=POLICIES,
                  help="each request's mode, chosen at admission: latency (exact D2F), throughput (--query_limit), "
                       "auto (by live slots: --auto_modes or --frontier); default: throughput with --query_limit, "
@@ -88,7 +95,8 @@ def _engine_config(args):
                                                                               max(args.max_prompt_len, 1)),
                         steps_per_call=args.steps_per_call, max_insert=args.max_insert, queue_size=args.queue_size,
                         sampling=args.sampling, query_limit=args.query_limit,
-                        position_budget=args.position_budget, cache_decided=args.cache_decided,
+                        position_budget=args.position_budget, cache_decided=args.cache_decided, steps=args.steps,
+                        editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps,
                         policy=args.policy or ("auto" if modes else None), auto_modes=modes)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None

@@ -20,7 +20,7 @@ class EngineConfig:
   """Fixed per engine: shapes and the bound on what a request may ask."""
 
   slots: int = 32
-  method: str = "d2f"  # 'd2f' (requests: d2f or threshold) or 'ar' (the causal baseline model)
+  method: str = "d2f"  # 'd2f' (requests: d2f or threshold), 'ar' (the causal baseline model) or 'llada2'
   block_size: int = 32
   max_new_tokens: int = 256  # the bound; each request may ask for less (a multiple of block_size)
   max_prompt_len: int = 512
@@ -44,6 +44,12 @@ class EngineConfig:
   # Requests admitted in a query-limited mode also keep their decided positions' K/V (DecodeConfig.cache_decided,
   # a per-row knob); exact-D2F requests stay exact.
   cache_decided: bool = False
+  # 'llada2' engines: the released sampler's steps per block (None: one token a step), and LLaDA2.1's token
+  # editing: None serves LLaDA2.0's sampler; a threshold compiles the editing loop, each request's default
+  # (requests may set their own threshold and post-fill steps, as DecodeConfig's fields).
+  steps: int | None = None
+  editing_threshold: float | None = None
+  max_post_steps: int = 16
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -61,6 +67,9 @@ class EngineConfig:
       if value is not None and (not _positive(value) or self.method != "d2f"):
         raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
                          f"(method {self.method!r})")
+    if self.method != "llada2" and (self.steps, self.editing_threshold) != (None, None):
+      raise ValueError(f"EngineConfig.steps and editing_threshold are settings of a 'llada2' engine (method "
+                       f"{self.method!r}), got {self.steps!r} and {self.editing_threshold!r}")
     self._check_policy()
     if not isinstance(self.cache_decided, bool) or (self.cache_decided and self._compiled_query_limit() is None):
       raise ValueError(f"EngineConfig.cache_decided must be a bool, True only when some request runs a query-limited "
@@ -124,7 +133,8 @@ class EngineConfig:
     return DecodeConfig(method=self.method, block_size=self.block_size, max_new_tokens=self.max_new_tokens,
                         max_blocks_in_flight=self.max_blocks_in_flight, sample=self.sampling,
                         memory_budget_gib=self.memory_budget_gib, query_limit=self._compiled_query_limit(),
-                        position_budget=self.position_budget, cache_decided=self.cache_decided)
+                        position_budget=self.position_budget, cache_decided=self.cache_decided, steps=self.steps,
+                        editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps)
 
   def _compiled_query_limit(self) -> int | None:
     """A query limit whenever some request may run one (the query-limited step is then compiled; each slot's

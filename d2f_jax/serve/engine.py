@@ -48,10 +48,10 @@ class Engine:
     self.spec, knobs = resolve(base, model.config)
     placement = getattr(model, "placement", None)
     devices = list(placement.mesh.devices.flat) if placement is not None else jax.local_devices()[:1]
-    limits.check_memory(model.config, config.slots, config.prompt_width + config.max_new_tokens, model.state,
-                        devices, config.memory_budget_gib)
     layout = None if placement is None else placement.layout
     self.programs = SlotPrograms(model.graphdef, self.spec, layout, config.steps_per_call)
+    cached = config.prompt_width + config.max_new_tokens if self.programs.keeps_cache else 0
+    limits.check_memory(model.config, config.slots, cached, model.state, devices, config.memory_budget_gib)
     self.batch = self.programs.empty(config.slots, config.prompt_width, knobs)  # the slots on the device
     self.slots: list[Request | None] = [None] * config.slots
     self.queue: collections.deque[Request] = collections.deque()
@@ -88,9 +88,7 @@ class Engine:
     return request.id
 
   def _request_knobs(self, settings: RequestSettings):
-    return request_knobs(settings, model_config=self.model.config, engine_method=self.config.method,
-                         block_size=self.config.block_size, bound=self.config.max_new_tokens,
-                         sampling=self.config.sampling, query_limit=self.config.query_limit)
+    return request_knobs(settings, model_config=self.model.config, engine=self.config)
 
   def cancel(self, request_id: str) -> None:
     """Stop a request (queued or decoding): its slot frees at the next round; its callback gets a last
@@ -258,7 +256,8 @@ class Engine:
         self.slots[slot] = None
         self._finish(request, final.finish_reason, final.tokens[request.emitted:], final)
       else:
-        ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stop_ids)
+        ids = settled_ids(read["response"][slot], request.max_new_tokens, mask_id, request.stop_ids,
+                          read["final"][slot])
         if len(ids) > request.emitted:
           self._emit(request, ids[request.emitted:], forwards=int(read["forwards"][slot]))
 

@@ -18,7 +18,10 @@ decode touches only its own row, so a request decodes exactly as it would alone:
 - a row stops after max_new_tokens + 2 forwards, the bound `generate`'s loop puts on a batch run alone.
 
 An AR engine (the causal baseline model, `spec.method == 'ar'`) runs the same programs over the cached AR
-loop state (decode/baselines.py) with a token counter per row: one token per row per step.
+loop state (decode/baselines.py) with a token counter per row: one token per row per step. A LLaDA2 engine
+(`spec.method == 'llada2'`) runs them over the released block sampler's state (decode/block_sampler.py): no
+cache, so `insert` only writes the rows (every step recomputes each row, as the released loop), and with
+editing the readout's `final` keeps a block's tokens off the stream until no edit can change them.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from d2f_jax.decode import baselines, pipeline
+from d2f_jax.decode import baselines, block_sampler, pipeline
 from d2f_jax.decode.config import DecodeSpec, Knobs
 from d2f_jax.decode.mesh import constrain_loop_state
+from d2f_jax.decode.runner.programs import ALGORITHMS
 from d2f_jax.decode.sampling import row_keys
 from d2f_jax.models import PAD_ID, KVCache
 from d2f_jax.serve.types import STAT_KEYS
@@ -45,8 +49,13 @@ def _is_ar(spec: DecodeSpec) -> bool:
   return spec.method == "ar"
 
 
+def _is_block(spec: DecodeSpec) -> bool:
+  return spec.method == "llada2"
+
+
 def _prompt_width(state, spec: DecodeSpec) -> int:
-  return state.tokens.shape[1] - spec.max_new_tokens - (0 if _is_ar(spec) else spec.window)
+  room = 0 if _is_ar(spec) else spec.block_size if _is_block(spec) else spec.window
+  return state.tokens.shape[1] - spec.max_new_tokens - room
 
 
 def _fresh_ar(prompt: jax.Array, prompt_len: jax.Array, spec: DecodeSpec) -> baselines.ARState:
@@ -72,6 +81,8 @@ def _into_width(row, prompt_width: int, spec: DecodeSpec):
   empty slots."""
   extra = prompt_width - _prompt_width(row, spec)
   tokens = jnp.pad(row.tokens, ((0, 0), (extra, 0)), constant_values=spec.model.pad_token_id)
+  if _is_block(spec):
+    return row.replace(tokens=tokens)
   pad5 = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))  # k, v [L, 1, S, K, D]
   cache = KVCache(k=jnp.pad(row.cache.k, pad5), v=jnp.pad(row.cache.v, pad5),
                   ids=jnp.pad(row.cache.ids, ((0, 0), (0, extra)), constant_values=PAD_ID), length=row.cache.length)
@@ -87,7 +98,9 @@ def _row_fields(state, slots: int) -> list[str]:
 
 def _bounded(state, knobs: Knobs, spec: DecodeSpec):
   """Freeze rows at the bound `generate` puts on a batch run alone: max_new_tokens + 2 forwards (d2f), or
-  max_new_tokens tokens (ar)."""
+  max_new_tokens tokens (ar); llada2's loop bounds itself (steps, or max_post_steps, a block)."""
+  if _is_block(spec):
+    return state
   n = knobs.block_limit * spec.block_size
   over = state.t >= n if _is_ar(spec) else state.forwards >= n + 2
   return state.replace(done=state.done | over)
@@ -97,7 +110,7 @@ def _bounded(state, knobs: Knobs, spec: DecodeSpec):
 class SlotBatch:
   """The device side of S slots: the loop state's rows (a free slot is a done row) and each slot's knobs."""
 
-  state: Any  # pipeline.LoopState or baselines.ARState, rows [S, ...]
+  state: Any  # pipeline.LoopState, baselines.ARState or block_sampler.BlockState, rows [S, ...]
   knobs: Knobs  # [S] leaves, stop ids [S, K]
 
 
@@ -126,13 +139,22 @@ class SlotPrograms:
   def is_ar(self) -> bool:
     return _is_ar(self.spec)
 
+  @property
+  def keeps_cache(self) -> bool:
+    """Whether the slots hold a KV cache (d2f, ar): llada2's released loop recomputes every step."""
+    return not _is_block(self.spec)
+
   def empty(self, slots: int, prompt_width: int, knobs: Knobs) -> SlotBatch:
     """Every slot free (done); each slot's knobs `knobs` broadcast to [S] leaves."""
     spec = self.spec
     prompt = jnp.full((slots, prompt_width), spec.model.pad_token_id, jnp.int32)
     lengths = jnp.ones((slots,), jnp.int32)
-    state = (_fresh_ar(prompt, lengths, spec) if self.is_ar
-             else pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec))
+    if self.is_ar:
+      state = _fresh_ar(prompt, lengths, spec)
+    elif _is_block(spec):
+      state = block_sampler.init(None, prompt, lengths, jax.random.key(0), None, spec)
+    else:
+      state = pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec)
     state = state.replace(done=jnp.ones((slots,), bool))
     rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape), knobs)
     # Own buffers per leaf (fresh_state shares one zeros array between counters): the programs donate them.
@@ -158,19 +180,20 @@ def insert_rows(programs: SlotPrograms, params, batch: SlotBatch, admission: Adm
   key of row 0 of `generate(..., key=jax.random.key(seed))`."""
   spec, state, a = programs.spec, batch.state, admission
   count, width = state.tokens.shape[0], _prompt_width(state, spec)
-  init = baselines.init_ar if programs.is_ar else pipeline.init
+  init = ALGORITHMS[spec.method].init  # the loop `generate` runs
   with mesh_layout(programs.layout):
     keys = jax.vmap(lambda seed: row_keys(jax.random.key(seed), 1)[0])(a.seeds)  # [m]
     rows = init(nnx.merge(programs.graphdef, params), a.prompt, a.prompt_len, keys, a.knobs, spec)
   if programs.is_ar:
     rows = rows.replace(t=jnp.broadcast_to(rows.t, a.prompt_len.shape))
   rows = _into_width(rows, width, spec)
-  cache = KVCache(k=_put_rows(state.cache.k, rows.cache.k, a.slots, 1),
-                  v=_put_rows(state.cache.v, rows.cache.v, a.slots, 1),
-                  ids=_put_rows(state.cache.ids, rows.cache.ids, a.slots),
-                  length=_put_rows(state.cache.length, rows.cache.length, a.slots))
   row_leaves = {f: _put_rows(getattr(state, f), getattr(rows, f), a.slots) for f in _row_fields(state, count)}
-  state = constrain_loop_state(state.replace(cache=cache, **row_leaves), programs.layout, count)
+  if programs.keeps_cache:
+    row_leaves["cache"] = KVCache(k=_put_rows(state.cache.k, rows.cache.k, a.slots, 1),
+                                  v=_put_rows(state.cache.v, rows.cache.v, a.slots, 1),
+                                  ids=_put_rows(state.cache.ids, rows.cache.ids, a.slots),
+                                  length=_put_rows(state.cache.length, rows.cache.length, a.slots))
+  state = constrain_loop_state(state.replace(**row_leaves), programs.layout, count)
   knobs = jax.tree.map(lambda big, new: _put_rows(big, new, a.slots), batch.knobs, a.knobs)
   return SlotBatch(state=state, knobs=knobs)
 
@@ -181,7 +204,7 @@ def advance_slots(programs: SlotPrograms, params, batch: SlotBatch) -> SlotBatch
   spec, knobs = programs.spec, batch.knobs
   slots = batch.state.tokens.shape[0]
   was_done = batch.state.done
-  step = baselines.step_ar if programs.is_ar else pipeline.step
+  step = ALGORITHMS[spec.method].step
 
   def running(carry):
     i, s = carry
@@ -207,11 +230,15 @@ def release_slots(programs: SlotPrograms, batch: SlotBatch, slots: jax.Array) ->
 
 @functools.partial(jax.jit, static_argnums=0)
 def read_slots(programs: SlotPrograms, batch: SlotBatch) -> dict:
-  """What the host needs each round: responses [S, N], trace [S, N], done, forwards and the d2f
-  diagnostics [S] (zero for ar; a few KB, not the cache)."""
-  state = batch.state
-  width, n = _prompt_width(state, programs.spec), programs.spec.max_new_tokens
+  """What the host needs each round: responses [S, N], trace [S, N], done, forwards, `final` [S] (response
+  columns no later step can change: N, or with llada2's editing those of the finished blocks) and the d2f
+  diagnostics [S] (zero for ar and llada2; a few KB, not the cache)."""
+  spec, state = programs.spec, batch.state
+  width, n = _prompt_width(state, spec), spec.max_new_tokens
   zeros = jnp.zeros_like(state.forwards)
   stats = {k: getattr(state, k, zeros) for k in STAT_KEYS}
+  final = zeros + n
+  if _is_block(spec) and spec.editing:
+    final = jnp.where(state.done, n, state.block * spec.block_size - state.prompt_len)
   return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
-              forwards=state.forwards, **stats)
+              forwards=state.forwards, final=final, **stats)

@@ -65,6 +65,9 @@ class _Request(_Body):
   tau_act: StrictFloat = _DEFAULTS.tau_act
   tau_conf: StrictFloat = _DEFAULTS.tau_conf
   method: StrictStr = _DEFAULTS.method
+  # LLaDA2.1's token editing, on a llada2 server started with --editing_threshold (None: the server's).
+  editing_threshold: StrictFloat | None = _DEFAULTS.editing_threshold
+  max_post_steps: StrictInt | None = _DEFAULTS.max_post_steps
 
   def requested_tokens(self) -> tuple[str, int | None]:
     return "max_tokens", self.max_tokens
@@ -132,8 +135,8 @@ def plan(body: _Request, *, block_size: int, bound: int, model_stop_ids: tuple[i
   settings = RequestSettings(
       method=body.method, max_new_tokens=-(-max_tokens // block_size) * block_size, tau_add=body.tau_add,
       tau_act=body.tau_act, tau_conf=body.tau_conf, temperature=body.temperature, top_p=body.top_p,
-      top_k=max(body.top_k, 0), seed=body.seed,
-      stop_ids=model_stop_ids + extra_ids if extra_ids else None)
+      top_k=max(body.top_k, 0), seed=body.seed, editing_threshold=body.editing_threshold,
+      max_post_steps=body.max_post_steps, stop_ids=model_stop_ids + extra_ids if extra_ids else None)
   return Plan(settings=settings, max_tokens=max_tokens, stop_ids=frozenset(model_stop_ids + extra_ids),
               stop_strings=tuple(stop_strings))
 

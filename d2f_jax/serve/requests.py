@@ -51,31 +51,38 @@ def check_prompt(prompt_ids, *, vocab_size: int, max_prompt_len: int) -> np.ndar
   return ids.astype(np.int32)
 
 
-def request_knobs(settings: RequestSettings, *, model_config, engine_method: str, block_size: int, bound: int,
-                  sampling: bool, query_limit: int | None = None) -> tuple[int, Knobs, frozenset]:
-  """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone (with the
-  engine's query_limit, EngineConfig.query_limit)."""
+def request_knobs(settings: RequestSettings, *, model_config, engine) -> tuple[int, Knobs, frozenset]:
+  """(max_new_tokens, knobs, stop ids) of a request: the knobs `generate` resolves for it alone, on `engine`
+  (an EngineConfig: its method, block size, bound, sampling, query_limit, steps and editing)."""
   if not isinstance(settings, RequestSettings):
     raise TypeError(f"settings must be a RequestSettings, got {type(settings).__name__}")
-  method = settings.method or engine_method
-  if method not in ENGINE_METHODS[engine_method]:
-    raise RequestError("method", f"this {engine_method} engine decodes {ENGINE_METHODS[engine_method]}, "
+  method = settings.method or engine.method
+  if method not in ENGINE_METHODS[engine.method]:
+    raise RequestError("method", f"this {engine.method} engine decodes {ENGINE_METHODS[engine.method]}, "
                                  f"got {settings.method!r}")
-  n = bound if settings.max_new_tokens is None else settings.max_new_tokens
+  n, bound, block_size = settings.max_new_tokens, engine.max_new_tokens, engine.block_size
+  n = bound if n is None else n
   if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= bound or n % block_size:
     raise RequestError("max_new_tokens", f"must be a positive multiple of the engine's block size {block_size} "
                                          f"up to its bound {bound}, got {n!r}")
-  if settings.temperature and not sampling:
+  if settings.temperature and not engine.sampling:
     raise RequestError("temperature", f"this engine decodes greedily (temperature 0); got {settings.temperature!r}: "
                                       "start it with sampling enabled to sample")
   if settings.seed is not None and (not isinstance(settings.seed, int) or isinstance(settings.seed, bool)):
     raise RequestError("seed", f"must be an integer, got {settings.seed!r}")
+  for name in ("editing_threshold", "max_post_steps"):
+    if getattr(settings, name) is not None and engine.editing_threshold is None:
+      raise RequestError(name, f"is a setting of LLaDA2.1's token editing, which this {engine.method} engine does "
+                               "not run (a 'llada2' engine started with an editing threshold does)")
+  editing = {} if engine.editing_threshold is None else dict(
+      editing_threshold=_given(settings.editing_threshold, engine.editing_threshold),
+      max_post_steps=_given(settings.max_post_steps, engine.max_post_steps))
   try:
     config = DecodeConfig(method=method, block_size=block_size, max_new_tokens=n,
                           tau_add=settings.tau_add, tau_act=settings.tau_act, tau_conf=settings.tau_conf,
                           temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                           stop_ids=None if settings.stop_ids is None else tuple(settings.stop_ids),
-                          query_limit=query_limit)
+                          query_limit=engine.query_limit, steps=engine.steps, **editing)
     knobs = Knobs.on_host(config, model_config)
   except SettingError as e:
     raise RequestError(e.field, str(e)) from None
@@ -84,10 +91,17 @@ def request_knobs(settings: RequestSettings, *, model_config, engine_method: str
   return n, knobs, frozenset(int(t) for t in knobs.stop_ids.tolist() if t >= 0)
 
 
-def settled_ids(response: np.ndarray, n: int, mask_id: int, stop_ids: frozenset) -> list[int]:
-  """The ids of a slot's response row that will not change: the prefix before the first mask, cut after
-  the first stop id."""
-  row = response[:n]
+def _given(value, default):
+  return default if value is None else value
+
+
+def settled_ids(response: np.ndarray, n: int, mask_id: int, stop_ids: frozenset, final: int | None = None
+                ) -> list[int]:
+  """The ids of a slot's response row that will not change: the prefix before the first mask, and before
+  `final` (llada2 editing: a decided token of the current block may still be rewritten), cut after the
+  first stop id."""
+  row = response[:n if final is None else max(min(n, int(final)), 0)]
+  n = row.size
   masked = row == mask_id
   ids = row[:int(np.argmax(masked)) if masked.any() else n].tolist()
   for i, tok in enumerate(ids):

@@ -2,8 +2,9 @@
 
 Per-request settings are the decode knobs that are traced today (thresholds, temperature, top-p, stop ids)
 plus `max_new_tokens` up to the engine's bound and `method`: on a D2F engine 'd2f' or 'threshold' (d2f with
-tau_add 1 and one block in flight), on an AR engine (the causal baseline model) 'ar'. Block size, prompt
-bound and slot count are fixed per engine.
+tau_add 1 and one block in flight), on an AR engine (the causal baseline model) 'ar', on a LLaDA2 engine
+'llada2' (the released block sampler; with the engine's editing on, LLaDA2.1's token editing, whose threshold
+and post-fill steps a request may set). Block size, prompt bound and slot count are fixed per engine.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
-ENGINE_METHODS = {"d2f": ("d2f", "threshold"), "ar": ("ar",)}  # engine method -> request methods
+ENGINE_METHODS = {"d2f": ("d2f", "threshold"), "ar": ("ar",), "llada2": ("llada2",)}  # engine -> request methods
 FINISH_REASONS = ("stop", "length", "cancelled", "error")  # error: the engine thread failed
 
 
@@ -29,6 +30,8 @@ class RequestSettings:
   top_k: int = 0  # 0: off
   seed: int | None = None  # sampling: the request's draws are generate(..., key=jax.random.key(seed % 2**32))'s
   stop_ids: tuple[int, ...] | None = None  # None: the model's eos / end-of-turn ids
+  editing_threshold: float | None = None  # llada2 engine with editing: None = the engine's (EngineConfig)
+  max_post_steps: int | None = None  # llada2 engine with editing: None = the engine's
 
 
 # The per-request d2f diagnostics the engine reads out of its loop state (decode.DecodeResult's fields).
