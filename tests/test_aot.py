@@ -52,7 +52,8 @@ def test_gpu_target_descriptions_are_packaged():
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.nope=1"], "--config.optim.nope: the config has no field"),
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.lrr=1"], "did you mean --config.optim.lr?"),
     (["--target", "cpu-8", "--config", LLADA, "--config.optim.lr"], "Missing value for flag --config.optim.lr"),
-    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"], "one of <train|d2f_decode|ar_decode|serve>"),
+    (["--target", "cpu-8", "--config", LLADA, "--program", "sample"],
+     "one of <train|d2f_decode|ar_decode|llada2_decode|serve|llada2_serve>"),
     (["--target", "cpu-8", "--config", LLADA, "--config", DREAM], "given 2 times: one config per run"),
     (["--config", LLADA], "--target is required"),
 ])
@@ -145,17 +146,22 @@ def test_quick_train_and_d2f_decode_of_both_families_on_eight_fake_devices(tmp_p
     assert rows % r["mesh"]["data"] == 0 and 3 <= rows < 3 + r["mesh"]["data"]
 
 
-def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path):
-  """--program serve: the engine's advance and insert programs, slots over rows, both reported and fitting."""
+@pytest.mark.parametrize("config,program", [(DREAM, "serve"), ("configs/llada2_mini.py", "llada2_serve")])
+def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path, config, program):
+  """--program serve: the engine's advance and insert programs, slots over rows, both reported and fitting;
+  llada2_serve the same over LLaDA2's released sampler (tiny-llada2 under --quick)."""
   out = tmp_path / "serve.json"
-  proc = _run(["--target", "cpu-4", "--config", DREAM, "--quick", "--program", "serve", "--slots", "4",
+  proc = _run(["--target", "cpu-4", "--config", config, "--quick", "--program", program, "--slots", "4",
                "--json", str(out)])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads(out.read_text())["results"]
-  assert [r["program"] for r in results] == ["serve_advance", "serve_insert"]
+  assert [r["program"] for r in results] == [f"{program}_advance", f"{program}_insert"]
   for r in results:
     assert r["fits"] is True and r["devices"] == 4 and r["shape"]["slots"] == 4, r
-    assert abs(r["compiled"]["arguments"] - r["argument_bytes"]) < 1024, r  # nothing replicated by accident
+    if r["program"] == "llada2_serve_insert":  # writes rows only: the unread weights are pruned from its arguments
+      assert r["compiled"]["arguments"] < r["argument_bytes"] / 10, r
+    else:
+      assert abs(r["compiled"]["arguments"] - r["argument_bytes"]) < 1024, r  # nothing replicated by accident
 
 
 def test_train_program_is_the_configs_objective_not_always_distill(monkeypatch):
@@ -197,3 +203,14 @@ def test_in_process_call_re_executes_with_the_device_count(tmp_path, monkeypatch
   r = json.loads(out.read_text())["results"][0]
   assert (r["devices"], r["program"], r["model"]) == (8, "ar_decode", "tiny-dream")
   assert abs(r["compiled"]["arguments"] - r["argument_bytes"]) < 1024
+
+
+def test_llada2s_released_sampler_loop_compiles_sharded(tmp_path):
+  """--program llada2_decode: the whole jitted loop of method 'llada2' on tiny-llada2, heads over 4 fake devices."""
+  out = tmp_path / "llada2.json"
+  proc = _run(["--target", "cpu-4", "--config", "configs/llada2_mini.py", "--quick", "--program", "llada2_decode",
+               "--batch", "2", "--json", str(out)])
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  (result,) = json.loads(out.read_text())["results"]
+  assert result["program"] == "llada2_decode" and result["model"] == "tiny-llada2" and result["fits"] is True
+  assert result["mesh"]["tensor"] == 4 and result["shape"]["batch"] == 2

@@ -9,7 +9,8 @@ r"""The compile tier: compile the product's programs with the real TPU or NVIDIA
 Programs: `train` is the config's train step (its objective; teacher + LoRA student for distill) built by the
 Trainer's own `train.step.spec_from_config` and `compiled_train_step`; `d2f_decode` / `ar_decode` are the whole
 jitted decode loop `generate` runs (`decode.runner.decode_program`; default prompt 512, 256 new tokens,
-block 32, batch 1 and 32). Inputs are abstract (`jax.ShapeDtypeStruct` + sharding): no weight is allocated.
+block 32, batch 1 and 32); `llada2_decode` the same loop of LLaDA2's released sampler; `serve` / `llada2_serve`
+the serving engine's advance and insert programs (d2f, or the released sampler's). Inputs are abstract (`jax.ShapeDtypeStruct` + sharding): no weight is allocated.
 
 Targets: TPU slices (v4 / v5e / v5p / v6e) compile with libtpu's compile-only topologies; `h100`, `8xh100`,
 `a100`, ... with the CUDA plugin's deviceless compile (Triton to PTX/cubin; target descriptions in
@@ -56,8 +57,8 @@ def define_flags(flag_values, argv: list[str]) -> None:
   config_files.DEFINE_config_file("config", None, "Config file 'path.py[:arg]' (one per run). Required.",
                                   sys_argv=argv, **f)
   flags.DEFINE_multi_enum("program", ["train"], PROGRAMS, "What to compile (repeatable): the config's train step, "
-                          "the whole jitted D2F / AR decode loop of its model, or the serving engine's programs "
-                          "(serve: advance and insert over --slots slots).", **f)
+                          "the whole jitted D2F / AR / LLaDA2-sampler decode loop of its model, or the serving "
+                          "engine's programs (serve, llada2_serve: advance and insert over --slots slots).", **f)
   flags.DEFINE_enum("attention", None, ["auto", "xla", "pallas"], "Attention implementation; none: pallas on a "
                     "real target, config.model's on cpu-N.", **f)
   flags.DEFINE_string("mesh", None, "Train mesh override: data=..,fsdp=..,tensor=.. (one may be -1).", **f)
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
   for name in programs:
     if name == "train":
       jobs.append((name, {}))
-    elif name == "serve":
+    elif name in progs.SERVE_METHODS:
       jobs.append((name, {"slots": args.slots}))
     else:
       jobs += [(name, {"batch": b}) for b in batches]
@@ -193,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
       if name == "train":
         built = [progs.train_program(config, devices, attention=attention)]
-      elif name == "serve":
-        built = progs.serve_programs(config, devices, slots=extra["slots"], **sizes)
+      elif name in progs.SERVE_METHODS:
+        built = progs.serve_programs(config, devices, slots=extra["slots"], method=progs.SERVE_METHODS[name],
+                                     **sizes)
       else:
         built = [progs.decode_program(config, devices, method=name.removesuffix("_decode"), batch=extra["batch"],
                                       **sizes)]

@@ -13,7 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
-PROGRAMS = ("train", "d2f_decode", "ar_decode", "serve")
+PROGRAMS = ("train", "d2f_decode", "ar_decode", "llada2_decode", "serve", "llada2_serve")
+SERVE_METHODS = {"serve": "d2f", "llada2_serve": "llada2"}  # --program -> the engine's method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def decode_mesh_shape(mc, devices: int) -> dict:
 def decode_program(config, devices: list, *, method: str, batch: int, prompt_len: int, new_tokens: int,
                    block_size: int, attention: str | None = None, mesh_shape: dict | None = None,
                    rules=None) -> Program:
-  """The whole jitted decode loop of the config's model (`method` 'd2f' or 'ar'), over `devices`."""
+  """The whole jitted decode loop of the config's model (`method` 'd2f', 'ar' or 'llada2'), over `devices`."""
   from d2f_jax.decode.config import DecodeConfig
   from d2f_jax.decode.runner import decode_program as build
   from d2f_jax import sharding
@@ -110,19 +111,22 @@ def decode_program(config, devices: list, *, method: str, batch: int, prompt_len
 
 
 def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_tokens: int, block_size: int,
-                   attention: str | None = None, mesh_shape: dict | None = None, rules=None) -> list[Program]:
+                   attention: str | None = None, mesh_shape: dict | None = None, rules=None,
+                   method: str = "d2f") -> list[Program]:
   """The serving engine's two programs for the config's model: `serve_advance` (k D2F steps over every slot)
   and `serve_insert` (the prefill of max_insert requests at the largest prompt bucket into their slots), slots
-  over rows."""
+  over rows; a 'llada2' engine's (the released sampler: every step recomputes each slot) are named
+  `llada2_serve_advance` / `llada2_serve_insert`."""
   from d2f_jax import sharding
   from d2f_jax.serve import EngineConfig
   from d2f_jax.serve.aot import engine_programs
 
   mc = model_config_of(config, attention)
   mesh = sharding.make_mesh(mesh_shape or decode_mesh_shape(mc, len(devices)), devices)
-  engine = EngineConfig(slots=slots, block_size=block_size, max_new_tokens=new_tokens, max_prompt_len=prompt_len,
-                        prompt_bucket=min(64, prompt_len))
+  engine = EngineConfig(slots=slots, method=method, block_size=block_size, max_new_tokens=new_tokens,
+                        max_prompt_len=prompt_len, prompt_bucket=min(64, prompt_len))
   built = engine_programs(mc, engine, mesh, rules if rules is not None else config.get("logical_axis_rules"))
   shape = {"slots": slots, "prompt_len": engine.prompt_width, "new_tokens": new_tokens, "block_size": block_size,
            "steps_per_call": engine.steps_per_call, "insert_batch": engine.insert_sizes[-1]}
-  return [Program(name, fn, args, dict(mesh.shape), shape) for name, (fn, args) in built.items()]
+  prefix = "" if method == "d2f" else f"{method}_"
+  return [Program(prefix + name, fn, args, dict(mesh.shape), shape) for name, (fn, args) in built.items()]
