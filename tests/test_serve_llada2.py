@@ -95,6 +95,21 @@ def test_llada21s_editing_serves_as_alone_and_streams_only_final_tokens(sharp):
   assert [r.tokens for r in plain] != [r.tokens for r in results]  # editing changed some answer
 
 
+def test_sampled_requests_draw_as_generate_alone_with_their_seed(sharp):
+  """A sampling editing engine: each request's answer is generate's with key(seed) alone, whatever shares it."""
+  import jax
+  engine = _engine(sharp, sampling=True, editing_threshold=0.5)
+  settings = [RequestSettings(temperature=0.8, top_p=0.9, seed=7 + i, stop_ids=()) for i in range(3)]
+  results = engine.complete(PROMPTS[:3], settings)
+  for prompt, s, got in zip(PROMPTS[:3], settings, results):
+    config = DecodeConfig(method="llada2", block_size=BLOCK, max_new_tokens=BOUND, temperature=0.8, top_p=0.9,
+                          stop_ids=(), prompt_buckets=8, editing_threshold=0.5)
+    alone = generate(sharp, [prompt], config, key=jax.random.key(s.seed))
+    assert got.tokens == np.asarray(alone.tokens[0, :int(alone.lengths[0])]).tolist(), prompt
+    assert got.forwards == int(alone.forwards[0]), prompt
+  assert len({tuple(r.tokens) for r in results}) == 3
+
+
 def test_settings_a_llada2_engine_cannot_run_are_refused_by_name(sharp):
   plain = _engine(sharp)
   for settings, field in ((RequestSettings(editing_threshold=0.5), "editing_threshold"),
