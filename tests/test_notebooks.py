@@ -3,7 +3,6 @@ first, and each runs top to bottom on the tiny models (nbclient, the python3 ker
 
 import os
 import sys
-import time
 
 import nbformat
 import pytest
@@ -12,7 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ("quickstart", "distill_tiny", "pipeline_visualisation")
 CELL_TIMEOUT_S = 180
-NOTEBOOK_BUDGET_S = 100  # each takes ~10-20 s on 2 CPU cores; this only catches a runaway
 
 sys.path.insert(0, NOTEBOOKS)
 import build  # noqa: E402
@@ -54,10 +52,7 @@ def test_notebook_runs_top_to_bottom(name, monkeypatch, tmp_path):
   nb = _read(name)
   client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                           resources={"metadata": {"path": NOTEBOOKS}})
-  start = time.perf_counter()
-  client.execute()  # raises CellExecutionError, naming the cell, when one fails
-  elapsed = time.perf_counter() - start
-  assert elapsed < NOTEBOOK_BUDGET_S, f"{name} took {elapsed:.0f}s"
+  client.execute()  # raises CellExecutionError, naming the cell (a runaway: past CELL_TIMEOUT_S), when one fails
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
   assert not errors
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
