@@ -40,7 +40,8 @@ def _alone(model, prompt, engine: EngineConfig, s: RequestSettings):
       editing_threshold=engine.editing_threshold if s.editing_threshold is None else s.editing_threshold,
       max_post_steps=engine.max_post_steps if s.max_post_steps is None else s.max_post_steps)
   config = DecodeConfig(method="llada2", block_size=BLOCK, max_new_tokens=s.max_new_tokens or BOUND,
-                        tau_conf=s.tau_conf, steps=engine.steps, stop_ids=s.stop_ids, prompt_buckets=8, **editing)
+                        tau_conf=s.tau_conf, steps=engine.steps, stop_ids=s.stop_ids, prompt_buckets=8,
+                        block_cache=engine.block_cache, **editing)
   return generate(model, [prompt], config)
 
 
@@ -53,10 +54,12 @@ def _assert_as_alone(model, engine, prompts, settings, results):
     assert got.trace == np.asarray(alone.trace[0]).tolist(), where
 
 
-def test_llada20s_sampler_serves_every_request_as_alone(sharp):
+@pytest.mark.parametrize("block_cache", [False, True])
+def test_llada20s_sampler_serves_every_request_as_alone(sharp, block_cache):
   """Two slots, six requests of three prompt buckets, thresholds, answer bounds and steps per block: slots are
-  refilled while the other decodes, and each answer is its batch-1 decode."""
-  engine = _engine(sharp, steps=2)
+  refilled while the other decodes, and each answer is its batch-1 decode (the released loop, or with the
+  cache of finished blocks, whose slots the engine prefills and pads as d2f's)."""
+  engine = _engine(sharp, steps=2, block_cache=block_cache)
   settings = [RequestSettings(), RequestSettings(tau_conf=0.5), RequestSettings(max_new_tokens=8, stop_ids=()),
               RequestSettings(tau_conf=0.3), RequestSettings(tau_conf=0.99, max_new_tokens=4), RequestSettings()]
   prompts = PROMPTS + PROMPTS[:2][::-1]
@@ -66,11 +69,12 @@ def test_llada20s_sampler_serves_every_request_as_alone(sharp):
   assert {r.finish_reason for r in results} <= {"stop", "length"}
 
 
-def test_llada21s_editing_serves_as_alone_and_streams_only_final_tokens(sharp):
+@pytest.mark.parametrize("block_cache", [False, True])
+def test_llada21s_editing_serves_as_alone_and_streams_only_final_tokens(sharp, block_cache):
   """The editing engine (quality mode by default; requests choose their own threshold and post-fill steps):
   answers equal their batch-1 decodes, and the ids each request's events carry add up to its answer though
   later forwards rewrote tokens of the blocks in flight (so a streamed token is never taken back)."""
-  engine = _engine(sharp, editing_threshold=0.5, max_post_steps=16)
+  engine = _engine(sharp, editing_threshold=0.5, max_post_steps=16, block_cache=block_cache)
   settings = [RequestSettings(tau_conf=0.7, stop_ids=()), RequestSettings(tau_conf=0.5, editing_threshold=0.0,
                                                                            max_post_steps=3, stop_ids=()),
               RequestSettings(tau_conf=0.9, max_post_steps=0), RequestSettings(tau_conf=0.5, editing_threshold=0.0,
@@ -121,8 +125,9 @@ def test_settings_a_llada2_engine_cannot_run_are_refused_by_name(sharp):
   with pytest.raises(RequestError) as error:
     _engine(sharp, editing_threshold=0.5).submit([5, 6], RequestSettings(editing_threshold=1.5))
   assert error.value.field == "editing_threshold"
-  with pytest.raises(ValueError, match="settings of a 'llada2' engine"):
-    EngineConfig(method="d2f", editing_threshold=0.5)
+  for kw in (dict(editing_threshold=0.5), dict(block_cache=True)):
+    with pytest.raises(ValueError, match="settings of a 'llada2' engine"):
+      EngineConfig(method="d2f", **kw)
   with pytest.raises(ValueError, match="query_limit .* on a 'd2f' engine"):
     EngineConfig(method="llada2", query_limit=4, policy="throughput")
 

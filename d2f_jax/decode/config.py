@@ -59,6 +59,9 @@ class DecodeConfig:
     above tau_conf, else the most confident; `steps` is unused), and after the block's last mask runs until
     a step edits nothing, at most `max_post_steps` more forwards. The model card's modes: quality tau_conf
     0.7 / editing 0.5, speed 0.5 / 0.0 (0.0: rewrite whenever the choice differs).
+  block_cache: 'llada2' only, False (the default) = the released loop, which recomputes the whole sequence
+    every step. True keeps finished blocks' K/V (exact under block-causal attention) and feeds two blocks a
+    step: greedy tokens equal but for float near-ties, sampling draws other random numbers.
   cache_decided: a throughput mode of d2f / threshold, False (the default) = off. A position decided in a
     block in flight is fed once more, with its token, and its K/V is kept in the cache from then on instead
     of being fed every step; the kept K/V is approximate (the rest of its block changed since) until the
@@ -87,6 +90,7 @@ class DecodeConfig:
   cache_decided: bool = False  # d2f: decided positions of blocks in flight are cached (approximate), not fed
   editing_threshold: float | None = None  # llada2: LLaDA2.1's token editing (T2T); None: off (LLaDA2.0)
   max_post_steps: int = 16  # llada2 with editing: forwards a block may run after its last mask
+  block_cache: bool = False  # llada2: cache finished blocks' K/V, feed two blocks a step (speed option)
   # Compile the sampling path (temperature, top-p, top-k as knobs; a row at temperature 0 stays greedy); None:
   # whenever temperature > 0. A server sets it once for every request it may take.
   sample: bool | None = None
@@ -132,6 +136,7 @@ class DecodeSpec:
   query_widths: tuple[int, ...] = ()  # query mode: sorted compiled forward widths in positions
   cache_decided: bool = False  # query mode: decided positions in flight are cached, not fed (DecodeConfig)
   editing: bool = False  # llada2: LLaDA2.1's loop with token editing (DecodeConfig.editing_threshold)
+  block_cache: bool = False  # llada2: finished blocks' K/V cached (DecodeConfig.block_cache)
 
   @property
   def num_blocks(self) -> int:
@@ -234,5 +239,6 @@ def resolve(config: DecodeConfig, model: ModelConfig) -> tuple[DecodeSpec, Knobs
                     steps=steps, alg=run.alg,
                     query_mode=query_mode, position_budget=run.position_budget,
                     query_widths=query_widths_for(run.block_size, widths) if query_mode else (),
-                    cache_decided=run.cache_decided, editing=run.editing_threshold is not None)
+                    cache_decided=run.cache_decided, editing=run.editing_threshold is not None,
+                    block_cache=run.block_cache)
   return spec, jax.tree.map(jnp.asarray, Knobs.on_host(config, model))

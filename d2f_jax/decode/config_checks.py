@@ -82,6 +82,9 @@ def check(config) -> None:
   if editing is not None and (not _is_number(editing) or not 0.0 <= editing <= 1.0 or config.method != "llada2"):
     raise SettingError("editing_threshold", f"must be None or lie in [0, 1], a setting of method 'llada2' (LLaDA2.1's "
                                             f"token editing), got {editing!r} with method {config.method!r}")
+  if not isinstance(config.block_cache, bool) or (config.block_cache and config.method != "llada2"):
+    raise SettingError("block_cache", f"must be a bool, True only for method 'llada2', got {config.block_cache!r} "
+                                      f"with method {config.method!r}")
   post = config.max_post_steps
   if not isinstance(post, int) or isinstance(post, bool) or not 0 <= post < 2 ** 31:
     raise SettingError("max_post_steps", f"must be an int in [0, 2**31), got {post!r}")

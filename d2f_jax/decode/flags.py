@@ -63,7 +63,7 @@ def add_decode_flags(parser) -> None:
   parser.add_argument("--steps", type=int, default=None,
                       help="vanilla / dream_vanilla steps, llada2 steps per block (default: one per token)")
   parser.add_argument("--alg", default=_DEFAULTS.alg, choices=DREAM_ALGS, help="dream_vanilla: which tokens go first")
-  add_editing_flags(parser)
+  add_llada2_flags(parser)
   parser.add_argument("--prompt_bucket", type=int, default=_DEFAULTS.prompt_buckets,
                       help="pad prompt lengths to a multiple of this (fewer compiles, more padding)")
   parser.add_argument("--memory_budget_gib", type=float, default=None,
@@ -73,13 +73,17 @@ def add_decode_flags(parser) -> None:
   add_mode_flags(parser)
 
 
-def add_editing_flags(parser) -> None:
-  """Add LLaDA2.1's token editing, --editing_threshold and --max_post_steps (generate, evaluate and serve)."""
+def add_llada2_flags(parser) -> None:
+  """Add method llada2's settings: LLaDA2.1's token editing (--editing_threshold, --max_post_steps) and
+  --block_cache (generate, evaluate and serve)."""
   parser.add_argument("--editing_threshold", type=float, default=_DEFAULTS.editing_threshold,
                       help="llada2: LLaDA2.1's token editing, rewrite a decided token above this (quality mode "
                            "0.5 with --tau_conf 0.7, speed mode 0.0 with 0.5; default: off, LLaDA2.0's sampler)")
   parser.add_argument("--max_post_steps", type=int, default=_DEFAULTS.max_post_steps,
                       help="llada2 with editing: forwards a block may run after its last mask")
+  parser.add_argument("--block_cache", action="store_true", default=_DEFAULTS.block_cache,
+                      help="llada2: cache finished blocks' K/V and feed two blocks a step instead of the whole "
+                           "sequence (greedy tokens equal but for float near-ties; default: the released loop)")
 
 
 def add_mode_flags(parser) -> None:
@@ -113,7 +117,8 @@ def decode_config_from_flags(args: argparse.Namespace) -> DecodeConfig:
                         steps=args.steps, alg=args.alg, stop_ids=stop_ids, prompt_buckets=args.prompt_bucket,
                         memory_budget_gib=args.memory_budget_gib, query_limit=args.query_limit,
                         position_budget=args.position_budget, cache_decided=args.cache_decided,
-                        editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps)
+                        editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps,
+                        block_cache=args.block_cache)
   except ValueError as e:
     raise UsageError(f"bad decoding option: {e}") from e
 

@@ -24,7 +24,7 @@ def engine_for(model, config: DecodeConfig, slots: int, prompts: list[list[int]]
   bucket = config.prompt_buckets if isinstance(config.prompt_buckets, int) else min(config.prompt_buckets)
   method = next(engine for engine, methods in ENGINE_METHODS.items() if config.method in methods)
   llada2 = {} if method != "llada2" else dict(steps=config.steps, editing_threshold=config.editing_threshold,
-                                              max_post_steps=config.max_post_steps)
+                                              max_post_steps=config.max_post_steps, block_cache=config.block_cache)
   return Engine(model, EngineConfig(slots=slots, method=method, block_size=config.block_size,
                                     max_new_tokens=config.max_new_tokens, max_prompt_len=max(map(len, prompts)),
                                     prompt_bucket=bucket, sampling=config.temperature > 0,

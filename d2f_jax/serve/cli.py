@@ -3,7 +3,7 @@
 Warm-up compiles every program the engine runs (Engine.warm_up) before the port opens, so the first real
 request pays no compile and /health answers only once serving is fast. `--method ar` serves the causal
 baseline model (one token per step) through the same engine and API; `--method llada2` a LLaDA2 model with its
-released block sampler (`--editing_threshold`: LLaDA2.1's token editing).
+released block sampler (`--editing_threshold`: LLaDA2.1's token editing; `--block_cache`: finished blocks cached).
 SIGTERM (or Ctrl-C) drains: /health and new requests get 503 at once, queued and decoding requests finish
 within --grace_s (the rest are cancelled, finish_reason 'abort'), their responses go out, and the process
 exits 0. A second signal ends every request at once (finish_reason 'abort', streams closed with their last
@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 
-from d2f_jax.decode.flags import (add_device_flags, add_editing_flags, add_mode_flags, check_model_flags,
+from d2f_jax.decode.flags import (add_device_flags, add_llada2_flags, add_mode_flags, check_model_flags,
                                   setup_devices)
 from d2f_jax.serve.config import (AUTO_FROM_SLOTS, DEFAULT_MAX_BODY_BYTES, POLICIES, EngineConfig,
                                   auto_modes_from_frontier)
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
   add_mode_flags(p)  # the engine's defaults are DecodeConfig's: off
   p.add_argument("--steps", type=int, default=_DEFAULTS.steps,
                  help="llada2: the released sampler's steps per block (default: one token a step at least)")
-  add_editing_flags(p)  # llada2: each request's default; requests may set their own
+  add_llada2_flags(p)  # llada2: each request's default; requests may set their own
   p.add_argument("--policy", default=_DEFAULTS.policy, choices=POLICIES,
                  help="each request's mode, chosen at admission: latency (exact D2F), throughput (--query_limit), "
                       "auto (by live slots: --auto_modes or --frontier); default: throughput with --query_limit, "
@@ -97,7 +97,7 @@ def _engine_config(args):
                         sampling=args.sampling, query_limit=args.query_limit,
                         position_budget=args.position_budget, cache_decided=args.cache_decided, steps=args.steps,
                         editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps,
-                        policy=args.policy or ("auto" if modes else None), auto_modes=modes)
+                        block_cache=args.block_cache, policy=args.policy or ("auto" if modes else None), auto_modes=modes)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
 

@@ -50,6 +50,7 @@ class EngineConfig:
   steps: int | None = None
   editing_threshold: float | None = None
   max_post_steps: int = 16
+  block_cache: bool = False  # llada2: finished blocks' K/V cached, two blocks fed a step (DecodeConfig.block_cache)
 
   def __post_init__(self):
     for name in ("slots", "block_size", "max_new_tokens", "max_prompt_len", "prompt_bucket", "steps_per_call",
@@ -67,9 +68,10 @@ class EngineConfig:
       if value is not None and (not _positive(value) or self.method != "d2f"):
         raise ValueError(f"EngineConfig.{name} must be None or a positive int on a 'd2f' engine, got {value!r} "
                          f"(method {self.method!r})")
-    if self.method != "llada2" and (self.steps, self.editing_threshold) != (None, None):
-      raise ValueError(f"EngineConfig.steps and editing_threshold are settings of a 'llada2' engine (method "
-                       f"{self.method!r}), got {self.steps!r} and {self.editing_threshold!r}")
+    if self.method != "llada2" and (self.steps, self.editing_threshold, self.block_cache) != (None, None, False):
+      raise ValueError(f"EngineConfig.steps, editing_threshold and block_cache are settings of a 'llada2' engine "
+                       f"(method {self.method!r}), got {self.steps!r}, {self.editing_threshold!r} and "
+                       f"{self.block_cache!r}")
     self._check_policy()
     if not isinstance(self.cache_decided, bool) or (self.cache_decided and self._compiled_query_limit() is None):
       raise ValueError(f"EngineConfig.cache_decided must be a bool, True only when some request runs a query-limited "
@@ -134,7 +136,8 @@ class EngineConfig:
                         max_blocks_in_flight=self.max_blocks_in_flight, sample=self.sampling,
                         memory_budget_gib=self.memory_budget_gib, query_limit=self._compiled_query_limit(),
                         position_budget=self.position_budget, cache_decided=self.cache_decided, steps=self.steps,
-                        editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps)
+                        editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
+                        block_cache=self.block_cache)
 
   def _compiled_query_limit(self) -> int | None:
     """A query limit whenever some request may run one (the query-limited step is then compiled; each slot's

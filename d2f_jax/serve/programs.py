@@ -20,8 +20,9 @@ decode touches only its own row, so a request decodes exactly as it would alone:
 An AR engine (the causal baseline model, `spec.method == 'ar'`) runs the same programs over the cached AR
 loop state (decode/baselines.py) with a token counter per row: one token per row per step. A LLaDA2 engine
 (`spec.method == 'llada2'`) runs them over the released block sampler's state (decode/block_sampler.py): no
-cache, so `insert` only writes the rows (every step recomputes each row, as the released loop), and with
-editing the readout's `final` keeps a block's tokens off the stream until no edit can change them.
+cache, so `insert` only writes the rows (every step recomputes each row, as the released loop; with
+block_cache it prefills the prompt's cache as d2f's does), and with editing the readout's `final` keeps a
+block's tokens off the stream until no edit can change them.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _into_width(row, prompt_width: int, spec: DecodeSpec):
   empty slots."""
   extra = prompt_width - _prompt_width(row, spec)
   tokens = jnp.pad(row.tokens, ((0, 0), (extra, 0)), constant_values=spec.model.pad_token_id)
-  if _is_block(spec):
+  if row.cache is None:  # llada2's released loop
     return row.replace(tokens=tokens)
   pad5 = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))  # k, v [L, 1, S, K, D]
   cache = KVCache(k=jnp.pad(row.cache.k, pad5), v=jnp.pad(row.cache.v, pad5),
@@ -141,8 +142,8 @@ class SlotPrograms:
 
   @property
   def keeps_cache(self) -> bool:
-    """Whether the slots hold a KV cache (d2f, ar): llada2's released loop recomputes every step."""
-    return not _is_block(self.spec)
+    """Whether the slots hold a KV cache (d2f, ar, llada2 with block_cache): the released loop recomputes."""
+    return not _is_block(self.spec) or self.spec.block_cache
 
   def empty(self, slots: int, prompt_width: int, knobs: Knobs) -> SlotBatch:
     """Every slot free (done); each slot's knobs `knobs` broadcast to [S] leaves."""
@@ -152,7 +153,7 @@ class SlotPrograms:
     if self.is_ar:
       state = _fresh_ar(prompt, lengths, spec)
     elif _is_block(spec):
-      state = block_sampler.init(None, prompt, lengths, jax.random.key(0), None, spec)
+      state = block_sampler.fresh_state(prompt, lengths, jax.random.key(0), spec)
     else:
       state = pipeline.fresh_state(prompt, lengths, jax.random.key(0), spec)
     state = state.replace(done=jnp.ones((slots,), bool))
