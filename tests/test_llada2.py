@@ -347,15 +347,16 @@ assert jax.device_count() == 4, jax.devices()
 model = Model.from_module(random_model(TINY_LLADA2.replace(attention_kind="block_causal"), seed=0))
 prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
 out = {}
-for method in ("d2f", "llada2"):
-  config = DecodeConfig(method=method, block_size=4, max_new_tokens=16, tau_conf=0.05, prompt_buckets=8)
+for method, cached in (("d2f", False), ("llada2", False), ("llada2", True)):
+  config = DecodeConfig(method=method, block_size=4, max_new_tokens=16, tau_conf=0.05, prompt_buckets=8,
+                        block_cache=cached)
   host = lambda r: {k: np.asarray(v).tolist() for k, v in dataclasses.asdict(r).items()}
   ref = host(jax.block_until_ready(generate(model, prompts, config)))
   for name, sizes in (("t4", dict(tensor=4)), ("d2t2", dict(data=2, tensor=2))):
     sharded = model.shard(make_mesh(sizes, jax.devices()))
     got = host(jax.block_until_ready(generate(sharded, prompts, config)))
     spec = sharded.state["moe_layers"]["expert_gate"][...].sharding.spec
-    out[f"{method}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "lengths": got["lengths"],
+    out[f"{method}{'-cached' if cached else ''}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "lengths": got["lengths"],
                                "expert_spec": [str(e) for e in spec]}
 print("RESULT" + json.dumps(out))
 """
@@ -363,7 +364,8 @@ print("RESULT" + json.dumps(out))
 
 def test_sharded_decode_splits_the_experts_and_equals_one_device():
   """On 4 fake CPU devices the experts are split over the tensor axis ('expert' rule: 2 of 8 per device)
-  and d2f / llada2 decoding is token-identical to one device (tensor 4, and data 2 x tensor 2)."""
+  and d2f / llada2 decoding (and llada2's block_cache) is token-identical to one device (tensor 4, and data 2 x
+  tensor 2)."""
   import os
   import subprocess
   import sys
@@ -375,6 +377,7 @@ def test_sharded_decode_splits_the_experts_and_equals_one_device():
                         timeout=540, cwd=root)
   assert proc.returncode == 0, proc.stderr[-4000:]
   runs = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+  assert len(runs) == 6, sorted(runs)
   for name, r in runs.items():
     assert r["diff"] == [] and all(n > 0 for n in r["lengths"]), (name, r)
     assert r["expert_spec"][:2] == ["None", "tensor"], (name, r["expert_spec"])  # [L, X, E, F]: X split
