@@ -55,6 +55,7 @@ def test_gpu_target_descriptions_are_packaged():
     (["--target", "cpu-8", "--config", LLADA, "--program", "sample"],
      "one of <train|d2f_decode|ar_decode|llada2_decode|serve|llada2_serve>"),
     (["--target", "cpu-8", "--config", LLADA, "--config", DREAM], "given 2 times: one config per run"),
+    (["--target", "cpu-8", "--config", LLADA, "--program", "serve", "--block_cache"], "--block_cache is a setting"),
     (["--config", LLADA], "--target is required"),
 ])
 def test_argument_errors_exit_2_with_a_message(argv, message, capsys, monkeypatch):
@@ -146,20 +147,23 @@ def test_quick_train_and_d2f_decode_of_both_families_on_eight_fake_devices(tmp_p
     assert rows % r["mesh"]["data"] == 0 and 3 <= rows < 3 + r["mesh"]["data"]
 
 
-@pytest.mark.parametrize("config,program", [(DREAM, "serve"), ("configs/llada2_mini.py", "llada2_serve")])
-def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path, config, program):
+@pytest.mark.parametrize("config,program,extra", [(DREAM, "serve", ()), ("configs/llada2_mini.py", "llada2_serve", ()),
+                                                  ("configs/llada2_mini.py", "llada2_serve", ("--block_cache",))])
+def test_the_serving_engines_programs_compile_sharded_on_four_fake_devices(tmp_path, config, program, extra):
   """--program serve: the engine's advance and insert programs, slots over rows, both reported and fitting;
-  llada2_serve the same over LLaDA2's released sampler (tiny-llada2 under --quick)."""
+  llada2_serve the same over LLaDA2's released sampler (tiny-llada2 under --quick), with its block cache or not."""
   out = tmp_path / "serve.json"
   proc = _run(["--target", "cpu-4", "--config", config, "--quick", "--program", program, "--slots", "4",
-               "--json", str(out)])
+               "--json", str(out), *extra])
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads(out.read_text())["results"]
   assert [r["program"] for r in results] == [f"{program}_advance", f"{program}_insert"]
   for r in results:
     assert r["fits"] is True and r["devices"] == 4 and r["shape"]["slots"] == 4, r
-    if r["program"] == "llada2_serve_insert":  # writes rows only: the unread weights are pruned from its arguments
-      assert r["compiled"]["arguments"] < r["argument_bytes"] / 10, r
+    assert r["shape"].get("block_cache", False) == bool(extra), r["shape"]
+    if r["program"] == "llada2_serve_insert":  # unread weights are pruned from its arguments: every one when it
+      # only writes rows, the lm_head when it prefills the block cache (K/V, no logits)
+      assert r["compiled"]["arguments"] < r["argument_bytes"] / (1 if extra else 10) - 1024, r
     else:
       assert abs(r["compiled"]["arguments"] - r["argument_bytes"]) < 1024, r  # nothing replicated by accident
 

@@ -72,6 +72,8 @@ def define_flags(flag_values, argv: list[str]) -> None:
   flags.DEFINE_bool("quick", False, "The config's family at tiny size (tiny-llada / tiny-dream / tiny-llada2), "
                     "train seq_len 64 and one row per batch shard, decode prompt 64 + 32 tokens: checks the plumbing "
                     "in seconds.", **f)
+  flags.DEFINE_bool("block_cache", False, "llada2_decode / llada2_serve: with the cache of finished blocks "
+                    "(DecodeConfig.block_cache).", **f)
   flags.DEFINE_bool("no_compile", False, "Lower only (fits is then judged on the arguments).", **f)
   flags.DEFINE_integer("top", 0, "List this many of the largest per-device arrays.", **f)
   flags.DEFINE_string("json", None, "Write the reports here.", **f)
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args, config, model = parse(argv)
   spec, programs = args["config"].config_filename, args.program
+  if args.block_cache and not any(name.startswith("llada2_") for name in programs):
+    raise usage.UsageError("--block_cache is a setting of --program llada2_decode / llada2_serve")
   try:
     target = topo.parse_target(args.target)
     batches = [int(b) for b in args.batch if b.strip()]
@@ -191,15 +195,16 @@ def main(argv: list[str] | None = None) -> int:
   for name, extra in jobs:
     label = f"{spec} {name}{''.join(f' {k} {v}' for k, v in extra.items())}"
     print(f"== {label} on {target.name}")
+    llada2 = {"block_cache": True} if args.block_cache and name.startswith("llada2_") else {}
     try:
       if name == "train":
         built = [progs.train_program(config, devices, attention=attention)]
       elif name in progs.SERVE_METHODS:
         built = progs.serve_programs(config, devices, slots=extra["slots"], method=progs.SERVE_METHODS[name],
-                                     **sizes)
+                                     **sizes, **llada2)
       else:
         built = [progs.decode_program(config, devices, method=name.removesuffix("_decode"), batch=extra["batch"],
-                                      **sizes)]
+                                      **sizes, **llada2)]
       mc = progs.model_config_of(config, attention)
       found = [check.compile_program(program, target, devices, model=model, dtype=mc.dtype,
                                      attention_impl=mc.attention_impl, compile=not args.no_compile, top=args.top)

@@ -92,8 +92,9 @@ def decode_mesh_shape(mc, devices: int) -> dict:
 
 def decode_program(config, devices: list, *, method: str, batch: int, prompt_len: int, new_tokens: int,
                    block_size: int, attention: str | None = None, mesh_shape: dict | None = None,
-                   rules=None) -> Program:
-  """The whole jitted decode loop of the config's model (`method` 'd2f', 'ar' or 'llada2'), over `devices`."""
+                   rules=None, block_cache: bool = False) -> Program:
+  """The whole jitted decode loop of the config's model (`method` 'd2f', 'ar' or 'llada2', the last with its
+  `block_cache` or without), over `devices`."""
   from d2f_jax.decode.config import DecodeConfig
   from d2f_jax.decode.runner import decode_program as build
   from d2f_jax import sharding
@@ -102,21 +103,21 @@ def decode_program(config, devices: list, *, method: str, batch: int, prompt_len
   sizes = mesh_shape or decode_mesh_shape(mc, len(devices))
   mesh = sharding.make_mesh(sizes, devices)
   decode = DecodeConfig(method=method, block_size=block_size, max_new_tokens=new_tokens,
-                        prompt_buckets=prompt_len)
+                        prompt_buckets=prompt_len, block_cache=block_cache)
   built = build(mc, decode, batch=batch, prompt_width=prompt_len, mesh=mesh,
                 rules=rules if rules is not None else config.get("logical_axis_rules"))
   shape = {"batch": batch, "rows_compiled": built.batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-           "block_size": block_size}
+           "block_size": block_size, **({"block_cache": True} if block_cache else {})}
   return Program(f"{method}_decode", built.fn, built.args, dict(mesh.shape), shape)
 
 
 def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_tokens: int, block_size: int,
                    attention: str | None = None, mesh_shape: dict | None = None, rules=None,
-                   method: str = "d2f") -> list[Program]:
+                   method: str = "d2f", block_cache: bool = False) -> list[Program]:
   """The serving engine's two programs for the config's model: `serve_advance` (k D2F steps over every slot)
   and `serve_insert` (the prefill of max_insert requests at the largest prompt bucket into their slots), slots
   over rows; a 'llada2' engine's (the released sampler: every step recomputes each slot) are named
-  `llada2_serve_advance` / `llada2_serve_insert`."""
+  `llada2_serve_advance` / `llada2_serve_insert` (`block_cache`: its finished blocks cached)."""
   from d2f_jax import sharding
   from d2f_jax.serve import EngineConfig
   from d2f_jax.serve.aot import engine_programs
@@ -124,9 +125,10 @@ def serve_programs(config, devices: list, *, slots: int, prompt_len: int, new_to
   mc = model_config_of(config, attention)
   mesh = sharding.make_mesh(mesh_shape or decode_mesh_shape(mc, len(devices)), devices)
   engine = EngineConfig(slots=slots, method=method, block_size=block_size, max_new_tokens=new_tokens,
-                        max_prompt_len=prompt_len, prompt_bucket=min(64, prompt_len))
+                        max_prompt_len=prompt_len, prompt_bucket=min(64, prompt_len), block_cache=block_cache)
   built = engine_programs(mc, engine, mesh, rules if rules is not None else config.get("logical_axis_rules"))
   shape = {"slots": slots, "prompt_len": engine.prompt_width, "new_tokens": new_tokens, "block_size": block_size,
-           "steps_per_call": engine.steps_per_call, "insert_batch": engine.insert_sizes[-1]}
+           "steps_per_call": engine.steps_per_call, "insert_batch": engine.insert_sizes[-1],
+           **({"block_cache": True} if block_cache else {})}
   prefix = "" if method == "d2f" else f"{method}_"
   return [Program(prefix + name, fn, args, dict(mesh.shape), shape) for name, (fn, args) in built.items()]
