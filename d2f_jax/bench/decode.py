@@ -2,7 +2,8 @@
 window width set: ms per forward vs blocks in flight with one fixed full-width window (before) and with
 the compiled width set (after), same run, same tokens.
 
-`python -m d2f_jax.bench decode [--family tiny-llada] [--max_new_tokens 128] ...` on a random tiny model.
+`python -m d2f_jax.bench decode [--family tiny-llada] [--max_new_tokens 128] ...` on a random tiny model
+(`--family tiny-llada2 --methods llada2,llada2_cached,d2f`: LLaDA2's released sampler, with its block cache).
 Tokens per forward depend on confidences; an untrained model's are flat, so the model's head is scaled
 (`--head_scale`, making top-1 probabilities spread over (0, 1) as a trained model's do) and tau_conf is
 lowered from the paper's 0.9 (`--tau_conf`). Stop tokens are off so every method writes all tokens.
@@ -51,6 +52,8 @@ def method_configs(args) -> dict[str, DecodeConfig]:
       "vanilla": DecodeConfig(method="vanilla", **common),  # one token per step
       "dream_vanilla": DecodeConfig(method="dream_vanilla", **common),
       "ar": DecodeConfig(method="ar", **common),
+      "llada2": DecodeConfig(method="llada2", tau_conf=args.tau_conf, **common),  # the released loop
+      "llada2_cached": DecodeConfig(method="llada2", tau_conf=args.tau_conf, block_cache=True, **common),
   }
 
 
