@@ -356,8 +356,9 @@ for method, cached in (("d2f", False), ("llada2", False), ("llada2", True)):
     sharded = model.shard(make_mesh(sizes, jax.devices()))
     got = host(jax.block_until_ready(generate(sharded, prompts, config)))
     spec = sharded.state["moe_layers"]["expert_gate"][...].sharding.spec
-    out[f"{method}{'-cached' if cached else ''}-{name}"] = {"diff": sorted(k for k in ref if ref[k] != got[k]), "lengths": got["lengths"],
-                               "expert_spec": [str(e) for e in spec]}
+    out[f"{method}{'-cached' if cached else ''}-{name}"] = {
+        "diff": sorted(k for k in ref if ref[k] != got[k]), "lengths": got["lengths"],
+        "expert_spec": [str(e) for e in spec]}
 print("RESULT" + json.dumps(out))
 """
 

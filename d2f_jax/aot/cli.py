@@ -10,7 +10,8 @@ Programs: `train` is the config's train step (its objective; teacher + LoRA stud
 Trainer's own `train.step.spec_from_config` and `compiled_train_step`; `d2f_decode` / `ar_decode` are the whole
 jitted decode loop `generate` runs (`decode.runner.decode_program`; default prompt 512, 256 new tokens,
 block 32, batch 1 and 32); `llada2_decode` the same loop of LLaDA2's released sampler; `serve` / `llada2_serve`
-the serving engine's advance and insert programs (d2f, or the released sampler's). Inputs are abstract (`jax.ShapeDtypeStruct` + sharding): no weight is allocated.
+the serving engine's advance and insert programs (d2f, or the released sampler's). Inputs are abstract
+(`jax.ShapeDtypeStruct` + sharding): no weight is allocated.
 
 Targets: TPU slices (v4 / v5e / v5p / v6e) compile with libtpu's compile-only topologies; `h100`, `8xh100`,
 `a100`, ... with the CUDA plugin's deviceless compile (Triton to PTX/cubin; target descriptions in

@@ -97,7 +97,8 @@ def _engine_config(args):
                         sampling=args.sampling, query_limit=args.query_limit,
                         position_budget=args.position_budget, cache_decided=args.cache_decided, steps=args.steps,
                         editing_threshold=args.editing_threshold, max_post_steps=args.max_post_steps,
-                        block_cache=args.block_cache, policy=args.policy or ("auto" if modes else None), auto_modes=modes)
+                        block_cache=args.block_cache, policy=args.policy or ("auto" if modes else None),
+                        auto_modes=modes)
   except ValueError as e:
     raise UsageError(str(e).replace("EngineConfig.", "--")) from None
 
