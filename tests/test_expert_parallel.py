@@ -49,6 +49,20 @@ for name, (sizes, rules) in cases.items():
                   "diff": [float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(got, want)],
                   "all_to_all": "all_to_all" in text or "all-to-all" in text,
                   "psum": "all_reduce" in text or "psum" in text, "manual": "sdy.manual_computation" in text}
+# dispatch="auto" over an expert axis keeps the platform's rule: on the CPU dense past 4 tokens a device (20
+# here), the experts sharded but no shard_map (XLA:GPU / CPU expand ragged to k times dense's buffers)
+import dataclasses
+auto = dataclasses.replace(moe, dispatch="auto")
+mesh = make_mesh({"data": 2, "tensor": 4})
+layout = layout_from_rules(mesh, normalize_rules(tuple(dict(DEFAULT_RULES).items())))
+def auto_run(h, w):
+  with mesh_layout(layout):
+    return moe_mlp(h, w, auto)[0]
+fn = jax.jit(auto_run)
+got = jax.block_until_ready(fn(h, w))
+report["auto"] = {"expert_axis": layout.expert_axis,
+                  "diff": [float(jnp.abs(got - want[0]).max() / jnp.abs(want[0]).max())],
+                  "manual": "sdy.manual_computation" in fn.lower(h, w).as_text()}
 print("RESULT" + json.dumps(report))
 """
 
@@ -61,6 +75,8 @@ def test_each_expert_split_equals_one_device():
                         cwd=root)
   assert proc.returncode == 0, proc.stderr[-4000:]
   report = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+  auto = report.pop("auto")
+  assert auto["expert_axis"] == "tensor" and not auto["manual"] and auto["diff"][0] < 1e-5, auto
   for name, r in report.items():
     assert r["manual"], (name, r)  # the experts ran in shard_map, not through the one-device path
     assert max(r["diff"]) < 1e-6, (name, r)  # output, load, input gradient (relative): summation order only

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from d2f_jax.models.config import MoEConfig
-from d2f_jax.models.expert_parallel import expert_axis, local_experts, sharded_experts, swiglu
+from d2f_jax.models.expert_parallel import local_experts, sharded_experts, swiglu
 from d2f_jax.sharding.layout import current_layout
 
 ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the released router does
@@ -32,10 +32,11 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # compiler at nominal peaks; tests/test_moe_dispatch.py keeps the two equal). XLA:GPU and XLA:CPU run
 # ragged_dot as every (token, choice) pair times every expert (k times dense's FLOPs), so ragged wins there
 # only at a few tokens, where reading the dense path's buffers costs more; on TPU ragged computes only the
-# chosen pairs and is never dearer. The token count is a device's (the forward's over its batch shards); where
-# an expert axis runs the experts in parallel (not priced) it is ragged. No size guard sends long forwards back
-# to ragged on GPU or CPU: expanded there, ragged's buffers are k times dense's (llada2-mini's 32-slot engine on
-# one H100, compiled: 96.27 GiB ragged, 42.15 GiB dense).
+# chosen pairs and is never dearer. The token count is a device's (the forward's over its batch shards). The
+# rule holds with an expert axis too (ragged then runs expert-parallel, dense over the sharded experts), and no
+# size guard sends long forwards back to ragged: on GPU and CPU ragged's buffers are k times dense's, compiled
+# for the 32-slot engine: llada2-mini on one H100 96.27 GiB ragged / 42.15 dense, llada2-flash on 8xH100
+# (experts parallel) 156.81 / 29.27.
 AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
                  "cpu": ((4, "ragged"), (None, "dense"))}
 AUTO_SOURCES = {"gpu": "h100", "tpu": "v5e-1", "cpu": "cpu"}  # the report's target each platform's rule is from
@@ -53,13 +54,11 @@ def dispatch_for(moe: MoEConfig, tokens: int, platform: str) -> str:
 def _auto_dispatch(moe: MoEConfig, batch: int, length: int) -> str:
   """dispatch="auto" for a traced forward of [batch, length] tokens under the active layout: the rule of the
   platform its mesh's devices are (a deviceless target's too; else the default backend's) at the tokens one
-  device holds; ragged where an expert axis applies (the expert-parallel path)."""
+  device holds."""
   layout = current_layout()
   mesh = getattr(layout, "mesh", None)
   if mesh is None:
     return dispatch_for(moe, batch * length, jax.default_backend())
-  if expert_axis(layout, moe.num_experts) is not None:
-    return "ragged"
   shards = math.prod(mesh.shape[a] for a in layout.batch_split(batch))
   return dispatch_for(moe, batch // shards * length, mesh.devices.flat[0].platform)
 
