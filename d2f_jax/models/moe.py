@@ -4,8 +4,9 @@ the chosen experts' SwiGLUs combined in float32, and the shared experts added.
 Two ways to compute the experts, the same numbers up to float32 summation order (ModelConfig.moe.dispatch):
 - `ragged`: the (token, choice) pairs sorted by expert and run as one grouped matmul per projection
   (`lax.ragged_dot`), so each token computes only its k experts: what prefill and large batches need;
-- `dense`: every expert on every token, weighted by a [N, X] combine matrix that is zero off the choices; no
-  sort or gather, for the few tokens of a small decode step (and an independent check of `ragged`).
+- `dense`: every expert on every token, weighted by a [N, X] combine matrix that is zero off the choices
+  (applied before the down projection); no sort or gather: XLA:GPU's and XLA:CPU's path past a few tokens
+  (and an independent check of `ragged`).
 - `auto`: per forward, whichever the compiled costs price cheaper for its token count on the platform
   (AUTO_DISPATCH). A speed option, not the default: a token's float32 sums then depend on how many tokens
   share its forward (so on what shares its batch), and greedy tokens may change in rare ties.
@@ -89,14 +90,16 @@ def route(h: jax.Array, router: jax.Array, expert_bias: jax.Array | None,
 
 
 def experts_dense(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array) -> jax.Array:
-  """sum_k weight_k * expert_k(h) [N, E] in float32, computing every expert on every token."""
+  """sum_k weight_k * expert_k(h) [N, E] in float32, computing every expert on every token. The combine
+  weights (zero off the choices) scale each expert's activations before the down projection, so the
+  per-expert outputs [N, X, E] are never formed: one contraction over (expert, hidden) a token."""
   dtype = h.dtype
   gate = jnp.einsum("ne,xef->nxf", h, w["expert_gate"].astype(dtype))  # [N, X, F]
   up = jnp.einsum("ne,xef->nxf", h, w["expert_up"].astype(dtype))
-  out = jnp.einsum("nxf,xfe->nxe", swiglu(gate, up), w["expert_down"].astype(dtype))  # [N, X, E]
   num_experts = w["expert_gate"].shape[0]
   combine = (jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)  # [N, X]
-  return jnp.einsum("nxe,nx->ne", out.astype(jnp.float32), combine)
+  act = (swiglu(gate, up).astype(jnp.float32) * combine[:, :, None]).astype(dtype)  # [N, X, F]
+  return jnp.einsum("nxf,xfe->ne", act, w["expert_down"].astype(dtype), preferred_element_type=jnp.float32)
 
 
 def experts_ragged(h: jax.Array, w: dict, experts: jax.Array, weights: jax.Array) -> jax.Array:
