@@ -49,7 +49,7 @@ for name, (sizes, rules) in cases.items():
                   "diff": [float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(got, want)],
                   "all_to_all": "all_to_all" in text or "all-to-all" in text,
                   "psum": "all_reduce" in text or "psum" in text, "manual": "sdy.manual_computation" in text}
-# dispatch="auto" over an expert axis keeps the platform's rule: on the CPU dense past 4 tokens a device (20
+# dispatch="auto" over an expert axis keeps the platform's rule: on the CPU dense past 1 token a device (20
 # here), the experts sharded but no shard_map (XLA:GPU / CPU expand ragged to k times dense's buffers)
 import dataclasses
 auto = dataclasses.replace(moe, dispatch="auto")

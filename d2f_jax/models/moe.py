@@ -39,7 +39,7 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # for the 32-slot engine: llada2-mini on one H100 96.27 GiB ragged / 42.15 dense, llada2-flash on 8xH100
 # (experts parallel) 156.81 / 29.27.
 AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
-                 "cpu": ((4, "ragged"), (None, "dense"))}
+                 "cpu": ((1, "ragged"), (None, "dense"))}
 AUTO_SOURCES = {"gpu": "h100", "tpu": "v5e-1", "cpu": "cpu"}  # the report's target each platform's rule is from
 
 
