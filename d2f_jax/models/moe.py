@@ -36,7 +36,7 @@ ROUTER_EPS = 1e-20  # added to the chosen scores' sum before normalising, as the
 # chosen pairs and is never dearer. The token count is a device's (the forward's over its batch shards). The
 # rule holds with an expert axis too (ragged then runs expert-parallel, dense over the sharded experts), and no
 # size guard sends long forwards back to ragged: on GPU and CPU ragged's buffers are k times dense's, compiled
-# for the 32-slot engine: llada2-mini on one H100 96.27 GiB ragged / 42.15 dense, llada2-flash on 8xH100
+# for the 32-slot engine: llada2-mini on one H100 96.27 GiB ragged / 36.39 dense, llada2-flash on 8xH100
 # (experts parallel) 156.81 / 29.27.
 AUTO_DISPATCH = {"gpu": ((64, "ragged"), (None, "dense")), "tpu": ((None, "ragged"),),
                  "cpu": ((1, "ragged"), (None, "dense"))}
