@@ -202,11 +202,17 @@ def finish(state: BlockState, knobs: Knobs, spec: DecodeSpec) -> DecodeResult:
                      state.forwards)
 
 
+def final_columns(state: BlockState, spec: DecodeSpec) -> jax.Array:
+  """[B] response columns no later step can change: all N, or with editing while a row decodes those of its
+  finished blocks (a decided token of the current block may still be rewritten); can be negative."""
+  n = jnp.full_like(state.prompt_len, spec.max_new_tokens)
+  if not spec.editing:
+    return n
+  return jnp.where(state.done, n, state.block * spec.block_size - state.prompt_len)
+
+
 def settled(state: BlockState, spec: DecodeSpec) -> list[int]:
-  """Row 0's decoded response prefix (no mask before it), on the host; with editing only the finished blocks'
-  part of it, since a decided token of the current block may still be rewritten."""
+  """Row 0's decoded response prefix (no mask before it) within its final columns, on the host."""
   width = state.tokens.shape[1] - _room(spec)
   prefix = decoded_prefix(state.tokens[0, width:width + spec.max_new_tokens], spec.model.mask_token_id)
-  if spec.editing and not bool(state.done[0]):
-    return prefix[:max(int(state.block[0]) * spec.block_size - int(state.prompt_len[0]), 0)]
-  return prefix
+  return prefix[:max(int(final_columns(state, spec)[0]), 0)]

@@ -49,7 +49,7 @@ class EngineConfig:
   # (requests may set their own threshold and post-fill steps, as DecodeConfig's fields).
   steps: int | None = None
   editing_threshold: float | None = None
-  max_post_steps: int = 16
+  max_post_steps: int = 16  # DecodeConfig's default (this module stays free of jax)
   block_cache: bool = False  # llada2: finished blocks' K/V cached, two blocks fed a step (DecodeConfig.block_cache)
 
   def __post_init__(self):

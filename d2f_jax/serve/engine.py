@@ -50,8 +50,9 @@ class Engine:
     devices = list(placement.mesh.devices.flat) if placement is not None else jax.local_devices()[:1]
     layout = None if placement is None else placement.layout
     self.programs = SlotPrograms(model.graphdef, self.spec, layout, config.steps_per_call)
-    cached = config.prompt_width + config.max_new_tokens if self.programs.keeps_cache else 0
-    limits.check_memory(model.config, config.slots, cached, model.state, devices, config.memory_budget_gib)
+    cache = jax.eval_shape(lambda: self.programs.empty(config.slots, config.prompt_width, knobs)).state.cache
+    limits.check_memory(model.config, config.slots, 0 if cache is None else cache.max_len, model.state, devices,
+                        config.memory_budget_gib)  # the slots' KV cache as allocated (none: llada2's own loop)
     self.batch = self.programs.empty(config.slots, config.prompt_width, knobs)  # the slots on the device
     self.slots: list[Request | None] = [None] * config.slots
     self.queue: collections.deque[Request] = collections.deque()

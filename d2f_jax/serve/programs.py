@@ -140,11 +140,6 @@ class SlotPrograms:
   def is_ar(self) -> bool:
     return _is_ar(self.spec)
 
-  @property
-  def keeps_cache(self) -> bool:
-    """Whether the slots hold a KV cache (d2f, ar, llada2 with block_cache): the released loop recomputes."""
-    return not _is_block(self.spec) or self.spec.block_cache
-
   def empty(self, slots: int, prompt_width: int, knobs: Knobs) -> SlotBatch:
     """Every slot free (done); each slot's knobs `knobs` broadcast to [S] leaves."""
     spec = self.spec
@@ -189,7 +184,7 @@ def insert_rows(programs: SlotPrograms, params, batch: SlotBatch, admission: Adm
     rows = rows.replace(t=jnp.broadcast_to(rows.t, a.prompt_len.shape))
   rows = _into_width(rows, width, spec)
   row_leaves = {f: _put_rows(getattr(state, f), getattr(rows, f), a.slots) for f in _row_fields(state, count)}
-  if programs.keeps_cache:
+  if state.cache is not None:  # d2f, ar, llada2 with block_cache (its released loop recomputes)
     row_leaves["cache"] = KVCache(k=_put_rows(state.cache.k, rows.cache.k, a.slots, 1),
                                   v=_put_rows(state.cache.v, rows.cache.v, a.slots, 1),
                                   ids=_put_rows(state.cache.ids, rows.cache.ids, a.slots),
@@ -238,8 +233,6 @@ def read_slots(programs: SlotPrograms, batch: SlotBatch) -> dict:
   width, n = _prompt_width(state, spec), spec.max_new_tokens
   zeros = jnp.zeros_like(state.forwards)
   stats = {k: getattr(state, k, zeros) for k in STAT_KEYS}
-  final = zeros + n
-  if _is_block(spec) and spec.editing:
-    final = jnp.where(state.done, n, state.block * spec.block_size - state.prompt_len)
+  final = block_sampler.final_columns(state, spec) if _is_block(spec) else zeros + n
   return dict(response=state.tokens[:, width:width + n], trace=state.trace[:, :n], done=state.done,
               forwards=state.forwards, final=final, **stats)

@@ -95,15 +95,13 @@ def _given(value, default):
   return default if value is None else value
 
 
-def settled_ids(response: np.ndarray, n: int, mask_id: int, stop_ids: frozenset, final: int | None = None
-                ) -> list[int]:
+def settled_ids(response: np.ndarray, n: int, mask_id: int, stop_ids: frozenset, final: int) -> list[int]:
   """The ids of a slot's response row that will not change: the prefix before the first mask, and before
-  `final` (llada2 editing: a decided token of the current block may still be rewritten), cut after the
-  first stop id."""
-  row = response[:n if final is None else max(min(n, int(final)), 0)]
-  n = row.size
+  column `final` (the readout's: llada2 editing may still rewrite the current block), cut after the first
+  stop id."""
+  row = response[:max(min(n, int(final)), 0)]
   masked = row == mask_id
-  ids = row[:int(np.argmax(masked)) if masked.any() else n].tolist()
+  ids = row[:int(np.argmax(masked)) if masked.any() else row.size].tolist()
   for i, tok in enumerate(ids):
     if tok in stop_ids:
       return ids[:i + 1]
