@@ -1,6 +1,7 @@
 """Distillation step throughput: step time, tokens/s and MFU of the tiny configs on this machine.
 
   python -m d2f_jax.bench train [--steps 20] [--out results/train.json]
+  python -m d2f_jax.bench train --main_job configs/tiny_e2e.py:long   # whole vs length-bucketed batches
 
 MFU is against the device's peak: the table's bf16 peak on TPU / GPU, and on CPU a large f32 matmul measured in
 the same run (the tiny configs compute in f32), so the number says how close the step gets to what this
@@ -68,9 +69,18 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--steps", type=int, default=20, help="timed steps per row")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
   parser.add_argument("--variants", default=";".join(VARIANTS), help="';'-separated configs/tiny.py args")
+  parser.add_argument("--main_job", default=None, help="instead: this main-job config's stages (configs/"
+                      "tiny_e2e.py:long), whole-length against length-bucketed batches (bench/train_buckets.py)")
   parser.add_argument("--out", default=os.path.join("results", "train.json"), help="JSON results file")
   args = parser.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+  if args.main_job:
+    from d2f_jax.bench import main_job, train_buckets
+    config = main_job.load_config(args.main_job)
+    with tempfile.TemporaryDirectory(prefix="bench_train_buckets_") as workdir:
+      rows = train_buckets.measure(config, args.steps, workdir)
+    write_report(args.out, "train_buckets", rows, config=args.main_job, steps=args.steps)
+    return
   peak, peak_source = _peak()
   with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
     rows = [measure(v, args.steps, args.warmup, peak, workdir) for v in args.variants.split(";") if v]

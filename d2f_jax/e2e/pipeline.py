@@ -69,7 +69,7 @@ def stage_config(c, *, objective: str, data_path: str, tokenizer_dir: str, steps
   t.finetune = finetune
   t.lora.update(dict(rank=lora_rank, alpha=float(lora_rank), dropout=0.0))
   t.data.update(dict(source="npz", path=data_path, tokenizer=tokenizer_dir, seq_len=c.seq_len,
-                     eval_examples=4 * c.batch_size))
+                     eval_examples=4 * c.batch_size, length_buckets=tuple(c.get("length_buckets", ()))))
   t.optim.lr = lr
   t.optim.warmup_steps = warmup
   t.optim.decay = decay
@@ -130,7 +130,7 @@ PATH_FIELDS = ("model.path", "data.path", "data.tokenizer")  # where things are,
 # Trainer fields added after stages were first recorded: left out at these defaults, so older finished stages
 # (which trained as the defaults do) are reused.
 LATER_FIELDS = {"mdm.semi_ar": 0.0, "mdm.window": 32, "mdm.suffix_weight": 1.0, "mdm.ar_weight": 0.0,
-                "model.expert_dispatch": None}
+                "model.expert_dispatch": None, "data.length_buckets": []}
 
 
 def stage_identity(config, upstream: dict | None = None, data: dict | None = None) -> dict:

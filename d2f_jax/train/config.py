@@ -79,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.answer_field = "answer"
   c.data.tokenizer = config_dict.placeholder(str)  # default: the tokenizer in model.path; copied into exports
   c.data.seq_len = 1024
+  # Length-bucketed batches (train/buckets.py): e.g. (256, 512) cuts each batch to 256, 512 or seq_len, the
+  # shortest its rows fit in (one compiled step per length). () : every batch is seq_len long.
+  c.data.length_buckets = ()
   c.data.synthetic_examples = 512  # size of the JSONL written when model.synthetic and no data.path
   c.data.prefetch = 2
 
@@ -182,6 +185,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"mixes the AR loss into objective 'mdm' only (objective is {objective!r})")
   _require(c.loss_chunk >= 0 and (c.loss_chunk == 0 or c.data.seq_len % c.loss_chunk == 0), "loss_chunk",
            c.loss_chunk, f"must be 0 or divide data.seq_len={c.data.seq_len}")
+  length_buckets = c.data.get("length_buckets", ())
+  _require(isinstance(length_buckets, (tuple, list)) and all(
+      isinstance(b, int) and c.block_size < b <= c.data.seq_len for b in length_buckets), "data.length_buckets",
+      length_buckets, f"must be ints in (block_size={c.block_size}, data.seq_len={c.data.seq_len}]")
+  _require(c.loss_chunk == 0 or all(b % c.loss_chunk == 0 for b in length_buckets), "data.length_buckets",
+           length_buckets, f"each must be a multiple of loss_chunk={c.loss_chunk}")
   _require(c.data.path is not None or c.model.synthetic, "data.path", None,
            "a question/answer file is required (or model.synthetic=True for generated data)")
   _require(c.data.eval_examples >= 0, "data.eval_examples", c.data.eval_examples, "must be >= 0")

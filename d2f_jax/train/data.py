@@ -18,6 +18,7 @@ import grain
 import jax
 import numpy as np
 
+from d2f_jax.train import buckets
 from d2f_jax.train.examples import Examples, read_jsonl, tokenize_pairs, tokenize_with  # noqa: F401  (public here)
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,17 @@ def _host_shard(examples: Examples) -> grain.MapDataset:
   return grain.MapDataset.source(examples)[jax.process_index():usable:count]
 
 
-def train_dataset(examples: Examples, local_batch: int, seed: int, prefetch: int = 2) -> grain.IterDataset:
-  """Endless batches of this host's rows, reshuffled each epoch (deterministic in seed and epoch)."""
+def train_dataset(examples: Examples, local_batch: int, seed: int, prefetch: int = 2, *,
+                  length_buckets: tuple[int, ...] = (), eos_id: int | None = None) -> grain.IterDataset:
+  """Endless batches of this host's rows, reshuffled each epoch (deterministic in seed and epoch). With
+  `length_buckets`, each batch is cut to the shortest bucket its rows fit in (train/buckets.py)."""
+  if length_buckets:
+    if eos_id is None:
+      raise ValueError("length_buckets need eos_id: a row's used length ends at its padding")
+    plan = buckets.BucketPlan(examples, buckets=tuple(length_buckets), eos_id=eos_id,
+                              global_batch=local_batch * jax.process_count(), seed=seed)
+    ds = buckets.bucketed_dataset(examples, plan, process_index=jax.process_index(), local_batch=local_batch)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
   ds = _host_shard(examples)
   if len(ds) < local_batch:
     raise ValueError(f"{len(ds)} training rows per host cannot fill a per-host batch of {local_batch}")

@@ -147,7 +147,9 @@ class Trainer:
       if len(part) and (part.tokens.min() < 0 or part.tokens.max() >= vocab):
         raise ValueError(f"config.{name}: token ids span [{part.tokens.min()}, {part.tokens.max()}], outside the "
                          f"model's vocabulary [0, {vocab})")
-    self.data = data_lib.DataIterator(data_lib.train_dataset(train, local_batch, c.seed, c.data.prefetch))
+    self.data = data_lib.DataIterator(data_lib.train_dataset(
+        train, local_batch, c.seed, c.data.prefetch, length_buckets=tuple(c.data.get("length_buckets", ())),
+        eos_id=self.models.config.eos_token_id))
     self.eval_data = data_lib.eval_batches(held_out, local_batch, c.eval_batches)
 
   def _setup_state(self) -> None:
@@ -215,7 +217,7 @@ class Trainer:
     end = c.total_steps if num_steps is None else min(c.total_steps, start + num_steps)
     step_fn = compiled_train_step(self.spec, self.mesh, self.rules)
     stop = StopSignal() if jax.process_count() == 1 else None
-    tokens_per_step = c.batch_size * c.data.seq_len
+    positions = 0  # positions trained since the last log (length buckets make a step's length vary)
     history: list[dict] = []
     first_bad = jnp.int32(-1)
     self.preempted = False
@@ -224,20 +226,22 @@ class Trainer:
     if start == 0 and self.eval_data:  # the untrained model: the baseline every later eval compares to
       baseline = self.evaluate()
       self._log(history, 0, baseline)
-    last_time, last_step = time.perf_counter(), start
+    last_time = time.perf_counter()
     try:
       for step in range(start + 1, end + 1):
-        self.state, metrics = step_fn(self.state, self.frozen, self.global_batch(next(self.data)))
+        local = next(self.data)
+        positions += c.batch_size * np.shape(local["tokens"])[1]
+        self.state, metrics = step_fn(self.state, self.frozen, self.global_batch(local))
         first_bad = divergence.first_bad_step(first_bad, jnp.int32(step), metrics)
         bar.update(1)
         record = {}
         if step % c.log_every == 0 or step == end:
           record = {k: float(v) for k, v in jax.device_get(metrics).items()}
           now = time.perf_counter()
-          record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
+          record["tokens_per_s"] = positions / (now - last_time)
           if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * jax.device_count())
-          last_time, last_step = now, step
+          last_time, positions = now, 0
           bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                           mfu=f"{record.get('mfu', 0.0):.1%}")
         preempted = (stop is not None and stop.requested) or self.checkpointer.reached_preemption(step)
