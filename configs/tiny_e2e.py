@@ -32,6 +32,9 @@ def get_config(arg=None):
   # style: the worked solution's format (d2f_jax.tasks.arithmetic.STYLES); terse is the default run's.
   c.task = ml_collections.ConfigDict(dict(train=30000, test=256, min_steps=1, max_steps=2, style="terse"))
   c.seq_len = 80
+  # Length-bucketed training batches (d2f_jax/train/buckets.py): each batch cut to the shortest of these (or
+  # seq_len) its rows fit in. (): every batch is seq_len long.
+  c.length_buckets = ()
   c.model = ml_collections.ConfigDict(dict(embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32,
                                            mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-6))
   c.batch_size = 32
@@ -93,6 +96,7 @@ def _long(c: ml_collections.ConfigDict) -> None:
   budget: halving every stage trains in 37 min and drops the student to 14.1 % (docs/main_job.md)."""
   c.task.update(dict(min_steps=4, max_steps=7, style="verbose", test=64))
   c.seq_len = 304  # the longest training row is 298 tokens (prompt + solution + EOS)
+  c.length_buckets = (160, 192, 224, 256)  # rows use 185 of the 304 positions on average; batches ~202
   c.batch_size = 8  # 8 rows of about 185 tokens: the default's 32 x 49 tokens per step
   c.block_size, c.decode_block_size, c.max_new_tokens = 16, 32, 256  # the authors' training / decoding blocks
   # (decode block or None, query limit or None[, cache_decided]): sub-blocks of 8 / 4; the training block; the

@@ -130,6 +130,9 @@ def test_fields_added_later_are_left_out_at_their_defaults():
     assert identity["mdm.eps"] == 1e-3
     # added later still: an MoE base's expert dispatch
     assert "model.expert_dispatch" not in identity and config.model.expert_dispatch is None
+    # and length buckets: the default run's batches are whole (left out), the long variant's are cut (recorded)
+    buckets = [160, 192, 224, 256] if arg.startswith("long") else None
+    assert identity.get("data.length_buckets") == buckets and tuple(config.data.length_buckets) == tuple(buckets or ())
   c = _config("long,smoke")
   c.decode_block_size = 16
   kw = dict([s for s in pipeline.stages(c) if s[0] == "teacher"][0][2])
