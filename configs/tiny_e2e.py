@@ -86,14 +86,15 @@ def get_config(arg=None):
 
 
 def _long(c: ml_collections.ConfigDict) -> None:
-  """The long-answer variant (module docstring). Measured (2 CPU cores, shared with other work): AR 2400 steps
-  971 s, teacher 3000 steps 2978 s (two passes a step: ar_weight), student 800 steps 827 s, evaluation of the
-  14 rows and the timing pass 35 min. Results (results/tiny_e2e_long/): AR 54.7 %, the teacher 46.9 % decoded
-  semi-AR one token a step and 18.8 % with the threshold decoder, the D2F student 35.9 % at the paper's
-  thresholds and 46.9 % at its training block 16. semi_ar 0.5 made the teacher's answers well formed (they ran
-  past the last step and never stopped with iid masks alone); ar_weight 1 kept the AR model's arithmetic,
-  which the MDM adaptation alone lost (teacher 0-1.6 %, docs/main_job.md). The training misses the 45-minute
-  budget: halving every stage trains in 37 min and drops the student to 14.1 % (docs/main_job.md)."""
+  """The long-answer variant (module docstring). Measured from scratch on 2 CPU cores (a niced package
+  install beside it for its first 15 minutes): AR 2400 steps 671 s, teacher 3000 steps 1594 s (two passes a
+  step: ar_weight), student 800 steps 309 s: 43 min of training on length-bucketed batches (a step computes
+  ~202 positions a row instead of 304; whole rows took ~67 min), evaluation of the 14 rows and the timing
+  pass 24 min. Results (results/tiny_e2e_long/): AR 67.2 %, the teacher 25.0 % decoded semi-AR one token a
+  step and 12.5 % with the threshold decoder, the D2F student 46.9 % at the paper's thresholds and 54.7 % at
+  its training block 16. semi_ar 0.5 made the teacher's answers well formed (they ran past the last step and
+  never stopped with iid masks alone); ar_weight 1 kept the AR model's arithmetic, which the MDM adaptation
+  alone lost (teacher 0-1.6 %, docs/main_job.md)."""
   c.task.update(dict(min_steps=4, max_steps=7, style="verbose", test=64))
   c.seq_len = 304  # the longest training row is 298 tokens (prompt + solution + EOS)
   c.length_buckets = (160, 192, 224, 256)  # rows use 185 of the 304 positions on average; batches ~202
