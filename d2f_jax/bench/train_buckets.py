@@ -16,7 +16,6 @@ import time
 import jax
 import numpy as np
 
-from d2f_jax.e2e import data as data_lib
 from d2f_jax.e2e import pipeline
 from d2f_jax.train.step import compiled_train_step
 from d2f_jax.train.trainer import Trainer
@@ -48,12 +47,7 @@ def _time(trainer: Trainer, batches: list[dict]) -> float:
 def measure(c, steps: int, workdir: str) -> list[dict]:
   if not c.get("length_buckets"):
     raise ValueError("the main job's config has no length_buckets (config.length_buckets); nothing to compare")
-  data_dir = os.path.join(workdir, "data")
-  os.makedirs(data_dir, exist_ok=True)
-  tokenizer_dir = data_lib.write_tokenizer(os.path.join(data_dir, "tokenizer"))
-  data_path = data_lib.write_training_data(
-      os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
-      min_steps=c.task.min_steps, max_steps=c.task.max_steps, style=c.task.get("style", "terse"))
+  tokenizer_dir, data_path = pipeline.write_data(c, workdir)  # the main job's own training rows
   rows = []
   for name, _, kw in pipeline.stages(c):
     kw = {k: v for k, v in kw.items() if k != "init"}

@@ -248,16 +248,21 @@ def run(c, workdir: str) -> dict:
     return _run(c, workdir)
 
 
+def write_data(c, workdir: str) -> tuple[str, str]:
+  """(tokenizer dir, training npz) of the config's task under `workdir`/data, each written once."""
+  data_dir = os.path.join(workdir, "data")
+  os.makedirs(data_dir, exist_ok=True)
+  tokenizer_dir = data_lib.write_tokenizer(os.path.join(data_dir, "tokenizer"))
+  return tokenizer_dir, data_lib.write_training_data(
+      os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
+      min_steps=c.task.min_steps, max_steps=c.task.max_steps, style=c.task.get("style", "terse"))
+
+
 def _run(c, workdir: str) -> dict:
   check_config(c)
   os.makedirs(workdir, exist_ok=True)
-  data_dir = os.path.join(workdir, "data")
-  os.makedirs(data_dir, exist_ok=True)
   say(f"data: {c.task.train} training problems from the task generator, {c.task.test} held out")
-  tokenizer_dir = data_lib.write_tokenizer(os.path.join(data_dir, "tokenizer"))
-  data_path = data_lib.write_training_data(
-      os.path.join(data_dir, "train.npz"), seed=c.seed, train=c.task.train, test=c.task.test, seq_len=c.seq_len,
-      min_steps=c.task.min_steps, max_steps=c.task.max_steps, style=c.task.get("style", "terse"))
+  tokenizer_dir, data_path = write_data(c, workdir)
   exports, summaries, identities = {}, {}, {}
   plan = stages(c)
   rerun = {s.strip() for s in str(c.get("rerun", "") or "").split(",") if s.strip()}

@@ -110,11 +110,11 @@ def train_dataset(examples: Examples, local_batch: int, seed: int, prefetch: int
     plan = buckets.BucketPlan(examples, buckets=tuple(length_buckets), eos_id=eos_id,
                               global_batch=local_batch * jax.process_count(), seed=seed)
     ds = buckets.bucketed_dataset(examples, plan, process_index=jax.process_index(), local_batch=local_batch)
-    return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
-  ds = _host_shard(examples)
-  if len(ds) < local_batch:
-    raise ValueError(f"{len(ds)} training rows per host cannot fill a per-host batch of {local_batch}")
-  ds = ds.shuffle(seed=seed).repeat(None).batch(local_batch, drop_remainder=True)
+  else:
+    ds = _host_shard(examples)
+    if len(ds) < local_batch:
+      raise ValueError(f"{len(ds)} training rows per host cannot fill a per-host batch of {local_batch}")
+    ds = ds.shuffle(seed=seed).repeat(None).batch(local_batch, drop_remainder=True)
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
 
 
